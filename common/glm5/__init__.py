@@ -1,0 +1,1 @@
+"""Shared code of the GLM-5 stack: model, kernels, checkpoints, tokenizer, generated gRPC stubs."""

@@ -1,0 +1,27 @@
+"""Typed errors users see. Each message says what is wrong and, where it can, what to do."""
+
+from __future__ import annotations
+
+
+class Glm5Error(Exception):
+    """Base class of the errors this project raises on purpose."""
+
+
+class ConfigError(Glm5Error, ValueError):
+    """A configuration value is invalid (model config, engine flags, RoPE scaling)."""
+
+
+class CheckpointError(Glm5Error):
+    """A checkpoint is missing, unreadable, of another architecture, or has tensors of the wrong shape."""
+
+
+class InvalidRequestError(Glm5Error, ValueError):
+    """A request field is invalid. `field` names it so the API can say which one."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class CapacityError(Glm5Error):
+    """The request can never fit (KV pool) or the queue is full; retrying later may help."""

@@ -1,0 +1,42 @@
+"""The small interface every DSA kernel backend implements (portable PyTorch, CUDA, Ascend)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class AttentionOutput(NamedTuple):
+    out: torch.Tensor  # (n, H, C) latent-space attention output
+    entropy: float | None  # mean attention entropy in nats, when asked for
+
+
+class DSAKernels(Protocol):
+    name: str
+
+    def index_scores(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
+
+    def topk(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def sparse_mla(
+        self,
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv: torch.Tensor,
+        valid: torch.Tensor,
+        scale: float,
+        want_entropy: bool = False,
+    ) -> AttentionOutput: ...
+
+    def dense_mla(
+        self,
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv: torch.Tensor,
+        valid: torch.Tensor,
+        scale: float,
+        want_entropy: bool = False,
+    ) -> AttentionOutput: ...

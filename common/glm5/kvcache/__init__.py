@@ -1,0 +1,1 @@
+"""Paged KV-cache storage shared by the worker (serving) and the trainer."""

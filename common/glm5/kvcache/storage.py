@@ -1,0 +1,165 @@
+"""Paged storage of the MLA cache: per token and layer, the latent + shared rope key, and the indexer key.
+
+Two tiers share one slot address space. Slots [0, num_fp_slots) hold tokens at model precision (L1, recent
+tokens); slots [num_fp_slots, num_slots) hold tokens as INT8 with per-token scales (L2, older tokens). A
+block of `block_size` consecutive slots belongs to one tier; the worker's block manager decides which blocks
+a sequence uses and when an L1 block is demoted to L2. Nothing here knows about sequences.
+
+Quantisation is symmetric per token and per component (latent, rope key, indexer key each get one scale), so
+a gathered row dequantises as `int8 * scale` with no zero point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8_MAX = 127.0
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    kv_lora_rank: int
+    rope_dim: int
+    index_dim: int
+    # index into the indexer-key pool for every layer; -1 for layers that reuse another layer's top-k
+    index_slot_of_layer: tuple[int, ...]
+    block_size: int
+    num_fp_blocks: int
+    num_q_blocks: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_index_layers(self) -> int:
+        return sum(1 for i in self.index_slot_of_layer if i >= 0)
+
+    @property
+    def num_fp_slots(self) -> int:
+        return self.num_fp_blocks * self.block_size
+
+    @property
+    def num_q_slots(self) -> int:
+        return self.num_q_blocks * self.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_fp_blocks + self.num_q_blocks
+
+    def fp_bytes_per_token(self) -> int:
+        """All layers, model precision: latent + rope key (+ indexer key on full-indexer layers)."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return elem * (self.num_layers * self.kv_dim + self.num_index_layers * self.index_dim)
+
+    def q_bytes_per_token(self) -> int:
+        """All layers, INT8 tier: one byte per value plus a float16 scale per component."""
+        scales = 2 * (2 * self.num_layers + self.num_index_layers)
+        return self.num_layers * self.kv_dim + self.num_index_layers * self.index_dim + scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., D) float -> (..., D) int8 and (..., 1) float16 scale, symmetric absmax per row."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / INT8_MAX
+    scale16 = scale.to(torch.float16)
+    # quantise with the scale as stored (float16) so dequantisation inverts exactly what was rounded
+    q = torch.round(xf / scale16.float()).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale16
+
+
+class PagedKVStorage:
+    """The tensors of the KV pool and the gathers/scatters the attention kernels use."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        lo = layout
+        dev = lo.device
+        # torch.empty: the OS commits pages only when a block is first written
+        self.fp_kv = torch.empty(lo.num_layers, lo.num_fp_slots, lo.kv_dim, dtype=lo.dtype, device=dev)
+        self.fp_index = torch.empty(
+            lo.num_index_layers, lo.num_fp_slots, lo.index_dim, dtype=lo.dtype, device=dev
+        )
+        self.q_kv = torch.empty(lo.num_layers, lo.num_q_slots, lo.kv_dim, dtype=torch.int8, device=dev)
+        # scale[..., 0] for the latent, scale[..., 1] for the rope key
+        self.q_kv_scale = torch.empty(lo.num_layers, lo.num_q_slots, 2, dtype=torch.float16, device=dev)
+        self.q_index = torch.empty(
+            lo.num_index_layers, lo.num_q_slots, lo.index_dim, dtype=torch.int8, device=dev
+        )
+        self.q_index_scale = torch.empty(
+            lo.num_index_layers, lo.num_q_slots, 1, dtype=torch.float16, device=dev
+        )
+
+    @property
+    def has_q_tier(self) -> bool:
+        return self.layout.num_q_blocks > 0
+
+    def nbytes(self) -> int:
+        tensors = (self.fp_kv, self.fp_index, self.q_kv, self.q_kv_scale, self.q_index, self.q_index_scale)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # writes (new tokens always land in L1) -----------------------------------------------------------------
+    def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """slots (N,) L1 slot ids; rows (N, kv_dim)."""
+        self.fp_kv[layer].index_copy_(0, slots, rows.to(self.fp_kv.dtype))
+
+    def write_index(self, index_layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        self.fp_index[index_layer].index_copy_(0, slots, keys.to(self.fp_index.dtype))
+
+    # reads ------------------------------------------------------------------------------------------------------
+    def gather_kv(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """slots (...) of either tier -> rows (..., kv_dim) in `dtype`. Invalid slots must be clamped to 0."""
+        fp = self.fp_kv[layer]
+        if not self.has_q_tier:
+            return fp[slots].to(dtype)
+        n_fp = self.layout.num_fp_slots
+        is_q = slots >= n_fp
+        rows = fp[slots.clamp(max=n_fp - 1)].to(dtype)
+        qslots = (slots - n_fp).clamp(min=0)
+        q = self.q_kv[layer][qslots].to(dtype)
+        scale = self.q_kv_scale[layer][qslots].to(dtype)
+        c = self.layout.kv_lora_rank
+        deq = torch.cat([q[..., :c] * scale[..., :1], q[..., c:] * scale[..., 1:]], dim=-1)
+        return torch.where(is_q.unsqueeze(-1), deq, rows)
+
+    def gather_index(self, index_layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """slots (...) of either tier -> indexer keys (..., index_dim) in `dtype`."""
+        fp = self.fp_index[index_layer]
+        if not self.has_q_tier:
+            return fp[slots].to(dtype)
+        n_fp = self.layout.num_fp_slots
+        is_q = slots >= n_fp
+        rows = fp[slots.clamp(max=n_fp - 1)].to(dtype)
+        qslots = (slots - n_fp).clamp(min=0)
+        deq = self.q_index[index_layer][qslots].to(dtype) * self.q_index_scale[index_layer][qslots].to(dtype)
+        return torch.where(is_q.unsqueeze(-1), deq, rows)
+
+    # tiering ----------------------------------------------------------------------------------------------------
+    def demote(self, fp_blocks: torch.Tensor, q_blocks: torch.Tensor) -> None:
+        """Quantises L1 blocks into L2 blocks (all layers). Block ids are tier-local (0-based per tier)."""
+        bs = self.layout.block_size
+        offs = torch.arange(bs, device=fp_blocks.device)
+        src = (fp_blocks[:, None] * bs + offs).reshape(-1)
+        dst = (q_blocks[:, None] * bs + offs).reshape(-1)
+        c = self.layout.kv_lora_rank
+        rows = self.fp_kv[:, src]  # (L, n, kv_dim)
+        q_lat, s_lat = quantize_rows(rows[..., :c])
+        q_rope, s_rope = quantize_rows(rows[..., c:])
+        self.q_kv[:, dst] = torch.cat([q_lat, q_rope], dim=-1)
+        self.q_kv_scale[:, dst] = torch.cat([s_lat, s_rope], dim=-1)
+        if self.layout.num_index_layers:
+            q_idx, s_idx = quantize_rows(self.fp_index[:, src])
+            self.q_index[:, dst] = q_idx
+            self.q_index_scale[:, dst] = s_idx
+
+    def copy_fp_block(self, src_block: int, dst_block: int) -> None:
+        """Copy-on-write of a shared partial L1 block."""
+        bs = self.layout.block_size
+        s, d = slice(src_block * bs, (src_block + 1) * bs), slice(dst_block * bs, (dst_block + 1) * bs)
+        self.fp_kv[:, d] = self.fp_kv[:, s]
+        self.fp_index[:, d] = self.fp_index[:, s]

@@ -1,0 +1,1 @@
+"""The GlmMoeDsa model: config, layers, checkpoint loading."""

@@ -1,0 +1,279 @@
+"""Multi-latent attention with DeepSeek sparse attention (DSA), over the paged latent cache.
+
+Per layer: project queries and the latent, write the new tokens' latent + rope key (and indexer key) to
+the cache, pick each query's tokens (lightning indexer + top-k on "full" layers, the previous full layer's
+choice on "shared" layers), then attend over the picked tokens only, in absorbed form:
+scores = (q_nope W_uk) . c + q_rope . k_rope, output = (P c) W_uv. References: DeepSeek-V2 (MLA),
+DeepSeek-V3.2 (DSA), transformers' modeling_glm_moe_dsa.py (5.23.0) for the exact layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from glm5.kernels.base import DSAKernels
+from glm5.kvcache.storage import PagedKVStorage
+from glm5.model.batch import ForwardBatch
+from glm5.model.config import ModelConfig
+from glm5.model.norms import RMSNorm
+from glm5.model.rope import apply_interleaved
+
+# Bound on the elements of one scratch tensor (index scores, gathered rows) so long prefills stay in memory.
+SCRATCH_ELEMENTS = 1 << 24
+
+
+@dataclass(slots=True)
+class Picked:
+    """The tokens a group of queries attends to. `shared`: one context for all queries (dense path)."""
+
+    slots: torch.Tensor  # (n, k) per query, or (T,) when shared
+    valid: torch.Tensor  # (n, k) or (n, T)
+    shared: bool
+
+
+@dataclass(slots=True)
+class LayerSelection:
+    decode: Picked | None
+    prefills: list[Picked]
+
+
+@dataclass(slots=True)
+class DSAControls:
+    """Runtime DSA settings of the engine (not of the checkpoint)."""
+
+    # queries at positions below this attend densely; exact whenever it is <= index_topk
+    dense_warmup_tokens: int = 128
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: its own small query/key projections and per-head weights."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # kept in float32 whatever the model dtype, as in the reference (_keep_in_fp32_modules)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.softmax_scale = self.head_dim**-0.5
+
+    def project(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D), q_resid (N, q_lora) -> q (N, Hi, Di) f32, k (N, Di), weights (N, Hi) f32."""
+        n = x.shape[0]
+        q = self.wq_b(q_resid).view(n, self.num_heads, self.head_dim)
+        # rope on the first rope_dim dims here (MLA puts it last)
+        q = torch.cat([apply_interleaved(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim :]], dim=-1)
+        k = self.k_norm(self.wk(x))
+        k = torch.cat([apply_interleaved(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim :]], dim=-1)
+        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.num_heads**-0.5
+        return q.float(), k, w
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, index_layer: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.index_layer = index_layer  # row in the indexer-key pool; -1 on shared layers
+        self.num_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.index_topk = config.index_topk
+        self.scale = config.softmax_scale
+        bias = config.attention_bias
+        h = config.hidden_size
+        self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, config.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.indexer = Indexer(config) if index_layer >= 0 else None
+
+    def _w_kv_b(self) -> torch.Tensor:
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVStorage,
+        kernels: DSAKernels,
+        controls: DSAControls,
+        prev: LayerSelection | None,
+    ) -> tuple[torch.Tensor, LayerSelection]:
+        n = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(n, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_rope = apply_interleaved(q_rope, cos, sin)  # (N, H, R)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_rope = apply_interleaved(k_rope, cos, sin)
+        cache.write_kv(self.layer_idx, batch.slot_mapping, torch.cat([latent, k_rope], dim=-1))
+
+        index: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.indexer is not None:
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            cache.write_index(self.index_layer, batch.slot_mapping, ik)
+            index = (iq, iw)
+        elif prev is None:
+            raise ValueError(f"layer {self.layer_idx} shares top-k but no full indexer layer precedes it")
+
+        w_kv_b = self._w_kv_b()
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kv_b[:, : self.nope_dim])  # (N, H, C)
+        topk = batch.layer_topk[self.layer_idx] if batch.layer_topk else self.index_topk
+        selector = _Selector(self, cache, kernels, controls, topk, index, batch)
+        out_lat = q_lat.new_empty(n, self.num_heads, self.kv_lora_rank)
+        entropies: list[float] = []
+
+        decode_pick: Picked | None = None
+        if batch.decode is not None:
+            d = batch.decode.num_seqs
+            decode_pick = prev.decode if prev is not None and index is None else selector.decode()
+            assert decode_pick is not None
+            self._attend(decode_pick, q_lat[:d], q_rope[:d], out_lat, 0, cache, kernels, batch, entropies)
+        prefill_picks: list[Picked] = []
+        for i, chunk in enumerate(batch.prefills):
+            pick = prev.prefills[i] if prev is not None and index is None else selector.prefill(i)
+            prefill_picks.append(pick)
+            rows = slice(chunk.start, chunk.start + chunk.length)
+            self._attend(
+                pick, q_lat[rows], q_rope[rows], out_lat, chunk.start, cache, kernels, batch, entropies
+            )
+        if entropies:
+            batch.entropy[self.layer_idx] = sum(entropies) / len(entropies)
+
+        out = torch.einsum("nhc,hvc->nhv", out_lat, w_kv_b[:, self.nope_dim :])  # (N, H, V)
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim)), LayerSelection(
+            decode_pick, prefill_picks
+        )
+
+    def _attend(
+        self,
+        pick: Picked,
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        out: torch.Tensor,
+        row0: int,
+        cache: PagedKVStorage,
+        kernels: DSAKernels,
+        batch: ForwardBatch,
+        entropies: list[float],
+    ) -> None:
+        want = batch.collect_entropy
+        if pick.shared:
+            kv = cache.gather_kv(self.layer_idx, pick.slots, q_lat.dtype)  # (T, C + R)
+            res = kernels.dense_mla(q_lat, q_rope, kv, pick.valid, self.scale, want)
+            out[row0 : row0 + q_lat.shape[0]] = res.out
+            if res.entropy is not None:
+                entropies.append(res.entropy)
+            return
+        n, k = pick.slots.shape
+        tile = max(1, SCRATCH_ELEMENTS // max(1, k * cache.layout.kv_dim))
+        for s in range(0, n, tile):
+            e = min(n, s + tile)
+            kv = cache.gather_kv(self.layer_idx, pick.slots[s:e], q_lat.dtype)  # (t, k, C + R)
+            res = kernels.sparse_mla(q_lat[s:e], q_rope[s:e], kv, pick.valid[s:e], self.scale, want)
+            out[row0 + s : row0 + e] = res.out
+            if res.entropy is not None:
+                entropies.append(res.entropy)
+
+
+class _Selector:
+    """Picks each query's context tokens on a full-indexer layer."""
+
+    def __init__(
+        self,
+        attn: MLAttention,
+        cache: PagedKVStorage,
+        kernels: DSAKernels,
+        controls: DSAControls,
+        topk: int,
+        index: tuple[torch.Tensor, torch.Tensor] | None,
+        batch: ForwardBatch,
+    ) -> None:
+        self.attn, self.cache, self.kernels, self.topk = attn, cache, kernels, topk
+        self.warmup = controls.dense_warmup_tokens
+        self.index, self.batch = index, batch
+        self.block_size = cache.layout.block_size
+
+    def _slots(self, tables: torch.Tensor, length: int) -> torch.Tensor:
+        """Block tables (..., nb) -> slots of positions [0, length): (..., length)."""
+        pos = torch.arange(length, device=tables.device)
+        return tables[..., pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _scores(self, iq: torch.Tensor, iw: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        assert self.attn.indexer is not None
+        return self.kernels.index_scores(iq, iw, keys, self.attn.indexer.softmax_scale)
+
+    def _top(
+        self, scores: torch.Tensor, in_warmup: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k per row; rows in the dense warm-up window take every valid token instead."""
+        if bool(in_warmup.any()):
+            scores = torch.where(in_warmup[:, None] & (scores > float("-inf")), float("inf"), scores)
+        kk = min(scores.shape[-1], max(self.topk, width))
+        idx, valid = self.kernels.topk(scores, kk)
+        if kk > self.topk:
+            valid[:, self.topk :] &= in_warmup[:, None]
+        return idx, valid
+
+    def decode(self) -> Picked:
+        dg = self.batch.decode
+        assert dg is not None
+        d, t = dg.num_seqs, dg.max_context
+        slots = self._slots(dg.block_tables, t)  # (D, T)
+        in_ctx = torch.arange(t, device=slots.device)[None] < dg.context_lens[:, None]
+        if t <= self.topk or self.index is None:
+            # every context token is picked: no need to score them
+            return Picked(slots, in_ctx, shared=False)
+        iq, iw = self.index
+        keys = self.cache.gather_index(self.attn.index_layer, slots, torch.float32)  # (D, T, Di)
+        scores = self._scores(iq[:d, None], iw[:d, None], keys)[:, 0]  # (D, T)
+        scores = scores.masked_fill(~in_ctx, float("-inf"))
+        positions = dg.context_lens - 1
+        in_warmup = positions < self.warmup
+        width = int(dg.context_lens[in_warmup].max()) if bool(in_warmup.any()) else 0
+        idx, valid = self._top(scores, in_warmup, width)
+        return Picked(slots.gather(1, idx), valid, shared=False)
+
+    def prefill(self, i: int) -> Picked:
+        chunk = self.batch.prefills[i]
+        t, n = chunk.context_len, chunk.length
+        slots = self._slots(chunk.block_table, t)  # (T,)
+        qpos = torch.arange(t - n, t, device=slots.device)
+        causal = torch.arange(t, device=slots.device)[None] <= qpos[:, None]  # (n, T)
+        if t <= self.topk or self.index is None:
+            return Picked(slots, causal, shared=True)
+        iq, iw = self.index
+        keys = self.cache.gather_index(self.attn.index_layer, slots, torch.float32)  # (T, Di)
+        heads = iq.shape[1]
+        tile = max(1, SCRATCH_ELEMENTS // (heads * t))
+        width = min(self.warmup, t)
+        in_warmup = qpos < self.warmup
+        picks_idx, picks_valid = [], []
+        for s in range(0, n, tile):
+            e = min(n, s + tile)
+            rows = slice(chunk.start + s, chunk.start + e)
+            scores = self._scores(iq[None, rows], iw[None, rows], keys[None])[0]  # (t, T)
+            scores = scores.masked_fill(~causal[s:e], float("-inf"))
+            idx, valid = self._top(scores, in_warmup[s:e], width)
+            picks_idx.append(idx)
+            picks_valid.append(valid)
+        idx = torch.cat(picks_idx)
+        return Picked(slots[idx], torch.cat(picks_valid), shared=False)

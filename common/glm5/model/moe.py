@@ -1,0 +1,103 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the DeepSeek-V3-style mixture of experts.
+
+Routing (transformers' GlmMoeDsaTopkRouter): sigmoid scores in float32; the choice adds
+e_score_correction_bias (aux-loss-free balancing) but the weights do not; experts are first limited to the
+topk_group groups whose two best experts score highest; chosen weights are normalised (norm_topk_prob)
+and multiplied by routed_scaling_factor. Shared experts always run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glm5.model.config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k = config.num_experts_per_tok
+        self.num_groups = config.n_group
+        self.topk_group = config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+        self.e_score_correction_bias: torch.Tensor
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, D) -> logits (N, E) f32, weights (N, K) f32, expert ids (N, K)."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        n = x.shape[0]
+        grouped = choice.view(n, self.num_groups, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1)
+        choice = choice.masked_fill(score_mask == 0, float("-inf"))
+        expert_ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * self.scaling, expert_ids
+
+
+class Experts(nn.Module):
+    """Routed experts stacked in 3-D tensors (one matmul per active expert)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))  # rows: gate then up
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat = expert_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token_of = order // expert_ids.shape[1]
+        slot_of = order % expert_ids.shape[1]
+        start = 0
+        # ascending expert order, like the reference, so float sums accumulate in the same order
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens, slots = token_of[start : start + count], slot_of[start : start + count]
+            start += count
+            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tokens, slots, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.last_router_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits, weights, expert_ids = self.gate(x)
+        if self.training:
+            self.last_router_logits = logits  # read by the RL trainer's balance/entropy losses
+        return self.experts(x, expert_ids, weights) + self.shared_experts(x)
