@@ -14,9 +14,7 @@ from glm5.kernels.base import AttentionOutput
 class PortableKernels:
     name = "portable"
 
-    def index_scores(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """Lightning indexer (DeepSeek-V3.2, eq. 1): I[t, s] = sum_h w[t, h] * relu(scale * q[t, h] . k[s]).
 
         q (B, n, Hi, Di) float32, weights (B, n, Hi) float32, keys (B, T, Di) -> (B, n, T) float32.

@@ -82,18 +82,12 @@ class PagedKVStorage:
         dev = lo.device
         # torch.empty: the OS commits pages only when a block is first written
         self.fp_kv = torch.empty(lo.num_layers, lo.num_fp_slots, lo.kv_dim, dtype=lo.dtype, device=dev)
-        self.fp_index = torch.empty(
-            lo.num_index_layers, lo.num_fp_slots, lo.index_dim, dtype=lo.dtype, device=dev
-        )
+        self.fp_index = torch.empty(lo.num_index_layers, lo.num_fp_slots, lo.index_dim, dtype=lo.dtype, device=dev)
         self.q_kv = torch.empty(lo.num_layers, lo.num_q_slots, lo.kv_dim, dtype=torch.int8, device=dev)
         # scale[..., 0] for the latent, scale[..., 1] for the rope key
         self.q_kv_scale = torch.empty(lo.num_layers, lo.num_q_slots, 2, dtype=torch.float16, device=dev)
-        self.q_index = torch.empty(
-            lo.num_index_layers, lo.num_q_slots, lo.index_dim, dtype=torch.int8, device=dev
-        )
-        self.q_index_scale = torch.empty(
-            lo.num_index_layers, lo.num_q_slots, 1, dtype=torch.float16, device=dev
-        )
+        self.q_index = torch.empty(lo.num_index_layers, lo.num_q_slots, lo.index_dim, dtype=torch.int8, device=dev)
+        self.q_index_scale = torch.empty(lo.num_index_layers, lo.num_q_slots, 1, dtype=torch.float16, device=dev)
 
     @property
     def has_q_tier(self) -> bool:
@@ -111,7 +105,7 @@ class PagedKVStorage:
     def write_index(self, index_layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         self.fp_index[index_layer].index_copy_(0, slots, keys.to(self.fp_index.dtype))
 
-    # reads ------------------------------------------------------------------------------------------------------
+    # reads
     def gather_kv(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """slots (...) of either tier -> rows (..., kv_dim) in `dtype`. Invalid slots must be clamped to 0."""
         fp = self.fp_kv[layer]
@@ -139,7 +133,7 @@ class PagedKVStorage:
         deq = self.q_index[index_layer][qslots].to(dtype) * self.q_index_scale[index_layer][qslots].to(dtype)
         return torch.where(is_q.unsqueeze(-1), deq, rows)
 
-    # tiering ----------------------------------------------------------------------------------------------------
+    # tiering
     def demote(self, fp_blocks: torch.Tensor, q_blocks: torch.Tensor) -> None:
         """Quantises L1 blocks into L2 blocks (all layers). Block ids are tier-local (0-based per tier)."""
         bs = self.layout.block_size

@@ -96,9 +96,7 @@ class MLAttention(nn.Module):
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * config.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, config.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
-            config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
-        )
+        self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.indexer = Indexer(config) if index_layer >= 0 else None
 
@@ -152,16 +150,12 @@ class MLAttention(nn.Module):
             pick = prev.prefills[i] if prev is not None and index is None else selector.prefill(i)
             prefill_picks.append(pick)
             rows = slice(chunk.start, chunk.start + chunk.length)
-            self._attend(
-                pick, q_lat[rows], q_rope[rows], out_lat, chunk.start, cache, kernels, batch, entropies
-            )
+            self._attend(pick, q_lat[rows], q_rope[rows], out_lat, chunk.start, cache, kernels, batch, entropies)
         if entropies:
             batch.entropy[self.layer_idx] = sum(entropies) / len(entropies)
 
         out = torch.einsum("nhc,hvc->nhv", out_lat, w_kv_b[:, self.nope_dim :])  # (N, H, V)
-        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim)), LayerSelection(
-            decode_pick, prefill_picks
-        )
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim)), LayerSelection(decode_pick, prefill_picks)
 
     def _attend(
         self,
@@ -221,9 +215,7 @@ class _Selector:
         assert self.attn.indexer is not None
         return self.kernels.index_scores(iq, iw, keys, self.attn.indexer.softmax_scale)
 
-    def _top(
-        self, scores: torch.Tensor, in_warmup: torch.Tensor, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(self, scores: torch.Tensor, in_warmup: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k per row; rows in the dense warm-up window take every valid token instead."""
         if bool(in_warmup.any()):
             scores = torch.where(in_warmup[:, None] & (scores > float("-inf")), float("inf"), scores)

@@ -37,9 +37,7 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
-            raise ConfigError(
-                f"rope type {self.rope_type!r} is not supported; use one of {', '.join(ROPE_TYPES)}"
-            )
+            raise ConfigError(f"rope type {self.rope_type!r} is not supported; use one of {', '.join(ROPE_TYPES)}")
         if self.rope_type != "default":
             validate_rope_factor(self.factor)
 
@@ -150,19 +148,13 @@ class ModelConfig:
             raise ConfigError("config.json: num_experts_per_tok exceeds the experts in topk_group groups")
         n = self.num_hidden_layers
         if len(self.indexer_types) != n or any(t not in ("full", "shared") for t in self.indexer_types):
-            raise ConfigError(
-                f"config.json: indexer_types must list 'full' or 'shared' for each of {n} layers"
-            )
+            raise ConfigError(f"config.json: indexer_types must list 'full' or 'shared' for each of {n} layers")
         if self.indexer_types[0] != "full":
-            raise ConfigError(
-                "config.json: the first layer's indexer must be 'full' (shared layers reuse it)"
-            )
+            raise ConfigError("config.json: the first layer's indexer must be 'full' (shared layers reuse it)")
         if len(self.mlp_layer_types) != n or any(t not in ("dense", "sparse") for t in self.mlp_layer_types):
-            raise ConfigError(
-                f"config.json: mlp_layer_types must list 'dense' or 'sparse' for each of {n} layers"
-            )
+            raise ConfigError(f"config.json: mlp_layer_types must list 'dense' or 'sparse' for each of {n} layers")
 
-    # Derived sizes -------------------------------------------------------------------------------------------
+    # Derived sizes
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -189,7 +181,7 @@ class ModelConfig:
             scale *= m * m
         return scale
 
-    # Parsing ---------------------------------------------------------------------------------------------------
+    # Parsing
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
@@ -258,9 +250,7 @@ def _indexer_types(raw: dict[str, Any], num_layers: int) -> list[str]:
             try:
                 return [{"F": "full", "S": "shared"}[c] for c in pattern]
             except KeyError as exc:
-                raise ConfigError(
-                    f"config.json: index_topk_pattern may contain only F and S, got {pattern!r}"
-                ) from exc
+                raise ConfigError(f"config.json: index_topk_pattern may contain only F and S, got {pattern!r}") from exc
         return list(pattern)
     freq = max(int(raw.get("index_topk_freq", 1)), 1)
     offset = int(raw.get("index_skip_topk_offset", 2))

@@ -64,9 +64,7 @@ def checkpoint_files(path: Path) -> list[Path]:
 def _iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         try:
-            handle = safe_open(
-                str(file), framework="pt", device=str(device) if device.type == "cpu" else "cpu"
-            )
+            handle = safe_open(str(file), framework="pt", device=str(device) if device.type == "cpu" else "cpu")
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"cannot read {file}: {exc}") from exc
         with handle as f:
@@ -85,9 +83,7 @@ def load_model(
     raw = json.loads((path / "config.json").read_text())
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "unknown")
-        raise CheckpointError(
-            f"quantized checkpoints ({method}) are not supported yet; use a bf16 checkpoint"
-        )
+        raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet; use a bf16 checkpoint")
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(config)
