@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from glm5.errors import CheckpointError
-from glm5.model.config import ModelConfig
+from glm5.model.config import ModelConfig, RopeConfig
 from glm5.model.model import GlmMoeDsaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool | None = None,
+    rope: RopeConfig | None = None,
 ) -> GlmMoeDsaForCausalLM:
+    """Builds the model of the checkpoint at `path`; `rope` replaces the checkpoint's RoPE parameters."""
     path, device = Path(path), torch.device(device)
     config = ModelConfig.from_file(path)
+    if rope is not None:
+        config.rope = rope
     raw = json.loads((path / "config.json").read_text())
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "unknown")

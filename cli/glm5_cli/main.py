@@ -1,0 +1,102 @@
+"""The `glm5` command: one entry point for every service and tool."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import grpc
+from glm5.errors import Glm5Error
+
+
+def _init_model(a: argparse.Namespace) -> None:
+    from glm5.model.presets import init_model
+
+    path = init_model(a.out, preset=a.preset, seed=a.seed)
+    print(f"wrote a random-weight {a.preset} GLM-5 checkpoint with its tokenizer to {path}")
+
+
+def _generate(a: argparse.Namespace) -> None:
+    from glm5.client import WorkerClient, sampling
+    from glm5.v1 import common_pb2, worker_pb2
+
+    async def go() -> int:
+        async with WorkerClient(a.target) as client:
+            request = worker_pb2.GenerateRequest(
+                prompt=a.prompt,
+                sampling=sampling(
+                    temperature=a.temperature,
+                    top_p=a.top_p,
+                    top_k=a.top_k,
+                    seed=a.seed,
+                    max_new_tokens=a.max_new_tokens,
+                    stop=a.stop or None,
+                ),
+                skip_special_tokens=True,
+            )
+            last = None
+            async for resp in client.generate(request, timeout=a.timeout):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                last = resp
+            if last is not None:
+                u = last.usage
+                reason = common_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+                print(
+                    f"\n[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens]", file=sys.stderr
+                )
+        return 0
+
+    try:
+        sys.exit(asyncio.run(go()))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _worker(a: argparse.Namespace) -> None:
+    from glm5_worker.cli import run
+
+    run(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from glm5_worker.cli import add_arguments as worker_arguments
+
+    parser = argparse.ArgumentParser(prog="glm5", description="Serve and RL-train GLM-5-family models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("worker", help="serve a model over gRPC (the inference engine)")
+    worker_arguments(w)
+    w.set_defaults(func=_worker)
+
+    g = sub.add_parser("generate", help="stream a completion from a worker or router")
+    g.add_argument("prompt")
+    g.add_argument("--target", default="localhost:50051", help="host:port of a worker or router")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--timeout", type=float, default=300.0)
+    g.set_defaults(func=_generate)
+
+    m = sub.add_parser("init-model", help="write a small random-weight GLM-5-architecture checkpoint")
+    m.add_argument("--preset", default="tiny")
+    m.add_argument("--out", required=True)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=_init_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except Glm5Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,95 @@
+"""A checkpoint's tokenizer: tokenizer.json (HuggingFace `tokenizers`) + tokenizer_config.json (chat template).
+
+Encoding and decoding go straight to the Rust tokenizer; the chat template is rendered with Jinja2 in a
+sandbox, as transformers does. The fingerprint lets RL components refuse an engine whose tokenizer differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from glm5.errors import CheckpointError, InvalidRequestError
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise CheckpointError(f"no tokenizer.json in {path}")
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust side raises plain Exceptions
+            raise CheckpointError(f"cannot read {file}: {exc}") from exc
+        self._json_bytes = file.read_bytes()
+        cfg_file = path / "tokenizer_config.json"
+        self.config: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = sorted(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+        self._special_ids = {self._tok.token_to_id(t) for t in self.special_tokens}
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def eos_token_ids(self) -> list[int]:
+        names = self.config.get("eos_tokens") or [self.config.get("eos_token")]
+        return [i for name in names if name and (i := self._tok.token_to_id(name)) is not None]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 over tokenizer.json, the chat template and the special tokens."""
+        h = hashlib.sha256()
+        h.update(self._json_bytes)
+        h.update(b"\0" + (self.chat_template or "").encode())
+        h.update(b"\0" + "\n".join(self.special_tokens).encode())
+        return h.hexdigest()
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("messages", "this model's tokenizer_config.json has no chat_template")
+        try:
+            return str(
+                _template_env()
+                .from_string(self.chat_template)
+                .render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+            )
+        except TemplateError as exc:
+            raise InvalidRequestError("messages", f"chat template failed: {exc}") from exc
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+    return env

@@ -1,0 +1,77 @@
+"""`glm5 worker`: flags -> EngineConfig -> gRPC server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from glm5_worker.config import EngineConfig, parse_bytes
+from glm5_worker.server.app import serve_until_signal
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--model", help="HuggingFace-format checkpoint directory (default: the built-in tiny model)")
+    p.add_argument("--served-model-name", help="name reported to clients (default: the directory name)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda", "npu"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, help="context limit (default min(131072, checkpoint limit))")
+    p.add_argument("--rope-scaling", choices=["linear", "yarn"], help="override the checkpoint's RoPE scaling")
+    p.add_argument("--rope-factor", type=float, help="RoPE scaling factor, a power of two")
+    p.add_argument("--rope-original-max-position-embeddings", type=int)
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--kv-cache-bytes", default="auto", help="KV pool size ('auto', or e.g. 512MiB, 4GiB)")
+    p.add_argument("--kv-memory-fraction", type=float, default=d.kv_memory_fraction)
+    p.add_argument("--no-kv-int8-tier", action="store_true", help="keep every token at model precision")
+    p.add_argument("--l1-tokens", type=int, default=d.l1_tokens, help="recent tokens kept at model precision")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per-step budget")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--dense-warmup-tokens", type=int, default=d.dense_warmup_tokens, help="0 disables it")
+    p.add_argument("--dynamic-sparsity", action="store_true", help="widen top-k when attention entropy is low")
+    p.add_argument("--sparsity-entropy-threshold", type=float, default=d.sparsity_entropy_threshold)
+    p.add_argument("--sparsity-patience", type=int, default=d.sparsity_patience)
+    p.add_argument("--sparsity-widen-factor", type=float, default=d.sparsity_widen_factor)
+    p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain running requests")
+
+
+def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model,
+        served_model_name=a.served_model_name,
+        dtype=a.dtype,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        rope_scaling=a.rope_scaling,
+        rope_factor=a.rope_factor,
+        rope_original_max_position_embeddings=a.rope_original_max_position_embeddings,
+        block_size=a.block_size,
+        kv_cache_bytes=parse_bytes(a.kv_cache_bytes),
+        kv_memory_fraction=a.kv_memory_fraction,
+        kv_int8_tier=not a.no_kv_int8_tier,
+        l1_tokens=a.l1_tokens,
+        enable_prefix_caching=not a.no_prefix_caching,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_waiting=a.max_waiting,
+        default_max_new_tokens=a.default_max_new_tokens,
+        dense_warmup_tokens=a.dense_warmup_tokens,
+        dynamic_sparsity=a.dynamic_sparsity,
+        sparsity_entropy_threshold=a.sparsity_entropy_threshold,
+        sparsity_patience=a.sparsity_patience,
+        sparsity_widen_factor=a.sparsity_widen_factor,
+        ascend_temperature_floor=a.ascend_temperature_floor,
+        seed=a.seed,
+    )
+
+
+def run(a: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve_until_signal(config_from_args(a), a.host, a.port, a.shutdown_grace))

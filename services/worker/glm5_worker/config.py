@@ -1,0 +1,97 @@
+"""Engine configuration: one validated dataclass built at start-up from flags and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from glm5.devices import DEVICE_CHOICES
+from glm5.errors import ConfigError
+from glm5.model.config import validate_rope_factor
+
+DEFAULT_MAX_MODEL_LEN = 131072
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # checkpoint directory; None serves the default model
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on accelerators
+    device: str = "auto"
+    max_model_len: int | None = None  # default: min(131072, the checkpoint's max positions x RoPE factor)
+    rope_scaling: str | None = None  # override the checkpoint: "linear" | "yarn"
+    rope_factor: float | None = None
+    rope_original_max_position_embeddings: int | None = None
+    # KV cache
+    block_size: int = 64
+    kv_cache_bytes: int | None = None  # None = auto (see glm5_worker.kv.sizing)
+    kv_memory_fraction: float = 0.9
+    kv_cpu_max_bytes: int = 4 << 30
+    kv_int8_tier: bool = True  # L2: tokens older than l1_tokens stored as INT8 with per-token scales
+    l1_tokens: int = 128
+    enable_prefix_caching: bool = True
+    # scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
+    max_waiting: int = 1024
+    default_max_new_tokens: int = 256
+    # DSA runtime controls
+    dense_warmup_tokens: int = 128
+    dynamic_sparsity: bool = False
+    sparsity_entropy_threshold: float = 0.85
+    sparsity_patience: int = 3
+    sparsity_widen_factor: float = 1.5
+    entropy_interval: int = 8  # measure attention entropy every N engine steps
+    # sampling guards
+    ascend_temperature_floor: float = 0.35
+    seed: int = 0
+    jitter_window: int = 256
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICE_CHOICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.rope_scaling not in (None, "linear", "yarn"):
+            raise ConfigError(f"--rope-scaling must be linear or yarn, got {self.rope_scaling!r}")
+        if self.rope_scaling and self.rope_factor is None:
+            raise ConfigError("--rope-scaling needs --rope-factor")
+        if self.rope_factor is not None:
+            validate_rope_factor(self.rope_factor)
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "default_max_new_tokens")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError("--kv-cache-bytes must be > 0 or 'auto'")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError("kv_memory_fraction must be in (0, 1]")
+        if self.l1_tokens < 0 or self.dense_warmup_tokens < 0:
+            raise ConfigError("l1_tokens and dense_warmup_tokens must be >= 0")
+        if self.sparsity_widen_factor < 1 or self.sparsity_patience < 1 or self.entropy_interval < 1:
+            raise ConfigError("sparsity_widen_factor must be >= 1; sparsity_patience, entropy_interval >= 1")
+        if self.ascend_temperature_floor < 0:
+            raise ConfigError("ascend_temperature_floor must be >= 0")
+
+
+def parse_bytes(text: str) -> int | None:
+    """'auto' -> None; '512MiB', '4G', '1073741824' -> bytes."""
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "k": 10**3, "m": 10**6, "g": 10**9, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "b": 1}  # fmt: skip
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            number = t[: -len(suffix)]
+            break
+    else:
+        suffix, number = "b", t
+    try:
+        value = int(float(number) * units[suffix])
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size; use 'auto' or e.g. 512MiB, 4GiB, 1073741824") from None
+    if value <= 0:
+        raise ConfigError(f"size must be > 0, got {text!r}")
+    return value

@@ -1,0 +1,173 @@
+"""Runs the engine on its own thread and streams outputs to asyncio callers.
+
+Every engine call (add, abort, stats) is a command queued to the engine thread, so the engine is only ever
+touched by one thread and model steps never block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from glm5.errors import Glm5Error
+
+from glm5_worker.engine.engine import Engine, RequestOutput
+from glm5_worker.engine.sequence import FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineStopped(Glm5Error):
+    """The engine is shutting down and takes no new requests."""
+
+
+class EngineFailure(Glm5Error):
+    """The engine hit an internal error while running this request."""
+
+
+_Sink = Callable[[RequestOutput | Exception], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}
+        self._accepting = True
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
+        self._thread.start()
+
+    # engine thread ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_work
+            try:
+                fn, fut = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                fn = None
+            if fn is not None:
+                self._execute(fn, fut)
+                continue  # take every pending command before the next step
+            if self.engine.has_work:
+                self._step()
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], fut: Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests in flight")
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+                sink = self._sinks.pop(request_id, None)
+                if sink:
+                    sink(EngineFailure(f"internal engine error: {exc}"))
+            return
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink(out)
+
+    # caller side --------------------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def generate(
+        self,
+        request_id: str | None,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+        add_special_tokens: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams one request's outputs; leaving the iterator early aborts the request."""
+        if not self._accepting:
+            raise EngineStopped("the worker is shutting down")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+
+        def sink(item: RequestOutput | Exception) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+        def add() -> str:
+            seq = self.engine.add_request(request_id, prompt, prompt_token_ids, params, add_special_tokens)
+            self._sinks[seq.request_id] = sink
+            return seq.request_id
+
+        rid = await self.run(add)
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.call(lambda: self._abort(rid))
+
+    def _abort(self, request_id: str) -> bool:
+        self._sinks.pop(request_id, None)
+        return self.engine.abort(request_id)
+
+    async def drain(self, grace: float) -> None:
+        """Stops taking requests, lets running ones finish within `grace` seconds, aborts the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and await self.run(lambda: self.engine.has_work):
+            await asyncio.sleep(0.02)
+        await self.run(self._abort_all)
+
+    def _abort_all(self) -> None:
+        for seq in self.engine.scheduler.abort_all():
+            self.engine.requests.pop(seq.request_id, None)
+            sink = self._sinks.pop(seq.request_id, None)
+            if sink:
+                sink(
+                    RequestOutput(
+                        seq.request_id,
+                        [],
+                        "",
+                        [],
+                        [],
+                        FinishReason.ABORT,
+                        "shutdown",
+                        len(seq.prompt_ids),
+                        len(seq.output_ids),
+                        seq.num_cached_prompt_tokens,
+                        self.engine.weight_version,
+                    )
+                )
+
+    def shutdown(self) -> None:
+        self._accepting = False
+        self._stop.set()
+        self._thread.join(timeout=5)

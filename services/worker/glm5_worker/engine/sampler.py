@@ -1,0 +1,88 @@
+"""Turns logits into tokens: repetition penalty, temperature, top-k, top-p, seeded sampling, logprobs.
+
+Logprobs are those of the raw distribution (log_softmax of the model's logits, temperature 1, before any
+filtering), which is what an RL trainer recomputes. A request with a seed draws from its own generator, so
+its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm5_worker.engine.sequence import Sequence, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob]:
+        """logits (B, V) float32 -> one token (with its logprob) per sequence."""
+        logits = logits.float()
+        need_lp = any(s.params.logprobs for s in seqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
+        processed = self._penalise(logits, seqs)
+        greedy = [s.params.is_greedy for s in seqs]
+        tokens: list[int] = []
+        if all(greedy):
+            tokens = processed.argmax(dim=-1).tolist()
+        else:
+            probs = self._filtered_probs(processed, seqs)
+            argmax = processed.argmax(dim=-1).tolist()
+            for i, seq in enumerate(seqs):
+                if greedy[i]:
+                    tokens.append(argmax[i])
+                    continue
+                gen = seq.generator or self.generator
+                p = probs[i].cpu() if gen.device.type == "cpu" else probs[i]
+                tokens.append(int(torch.multinomial(p, 1, generator=gen)))
+        out: list[TokenLogprob] = []
+        for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
+            if raw_logprobs is not None and seq.params.logprobs:
+                out.append(token_logprob(raw_logprobs[i], token, seq.params.top_logprobs))
+            else:
+                out.append(TokenLogprob(token, 0.0))
+        return out
+
+    def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        if all(s.params.repetition_penalty == 1.0 for s in seqs):
+            return logits
+        logits = logits.clone()
+        for i, seq in enumerate(seqs):
+            penalty = seq.params.repetition_penalty
+            if penalty == 1.0:
+                continue
+            # CTRL (Keskar et al. 2019): divide positive logits, multiply negative ones
+            ids = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.long, device=logits.device)
+            row = logits[i, ids]
+            logits[i, ids] = torch.where(row > 0, row / penalty, row * penalty)
+        return logits
+
+    def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        logits = logits / temps[:, None]
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            vocab = logits.shape[-1]
+            ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
+            ranks = torch.arange(vocab, device=logits.device)[None]
+            remove = ranks >= ks[:, None]
+            sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+            ps = torch.tensor(top_p, device=logits.device)
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            remove |= (sorted_probs.cumsum(dim=-1) - sorted_probs) >= ps[:, None]
+            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+        return torch.softmax(logits, dim=-1)
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """logprobs (V,) -> the token's logprob and the `top` most likely alternatives."""
+    alts: list[tuple[int, float]] = []
+    if top > 0:
+        values, ids = logprobs.topk(top)
+        alts = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logprobs[token]), alts)

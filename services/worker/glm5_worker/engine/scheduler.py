@@ -1,0 +1,107 @@
+"""Continuous batching with a per-step token budget and chunked prefill.
+
+Each step: every running sequence that is decoding gets one token (decode first: it keeps inter-token
+latency flat); sequences part-way through their prompt continue with a chunk; then waiting sequences are
+admitted in arrival order while the budget, the sequence cap and the KV pool allow. When the pool runs out
+during decode, the most recently admitted sequence is preempted: its blocks are freed (full ones stay in the
+prefix cache) and it is recomputed later from its tokens, like vLLM's recompute preemption.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from glm5_worker.engine.sequence import FinishReason, Sequence
+from glm5_worker.kv.block_manager import BlockManager
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops a finished or aborted sequence and frees its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.admitted = False
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.budget
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_uncomputed != 1:
+                continue
+            while not self.blocks.ensure_slots(seq, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                step.decodes.append(seq)
+                budget -= 1
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.num_uncomputed > 1:
+                n = min(seq.num_uncomputed, budget)
+                if self.blocks.ensure_slots(seq, n):
+                    step.prefills.append((seq, n))
+                    budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.admitted:
+                cached = self.blocks.match_prefix(seq) if not seq.params.prompt_logprobs else 0
+                if not seq.output_ids:
+                    seq.num_cached_prompt_tokens = cached
+                seq.admitted = True
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.ensure_slots(seq, n):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            step.prefills.append((seq, n))
+            budget -= n
+        return step
+
+    def abort_all(self) -> list[Sequence]:
+        seqs = [*self.running, *self.waiting]
+        for seq in seqs:
+            seq.finish_reason = FinishReason.ABORT
+            self.remove(seq)
+        return seqs

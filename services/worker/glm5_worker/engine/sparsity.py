@@ -1,0 +1,84 @@
+"""Per-layer attention-entropy tracking and the dynamic sparsity controller.
+
+The engine measures the mean entropy (nats) of each layer's sparse attention every few steps. Two
+exponential averages per layer give the drift signal the router's breaker watches:
+drift = |short - long| / long. The controller (off by default, since it departs from how the model was
+trained) widens a full-indexer layer's top-k by `widen_factor` when its entropy stays below `threshold` for
+`patience` consecutive measurements, and narrows it back after `patience` measurements at or above it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class LayerState:
+    topk: int
+    entropy_short: float | None = None
+    entropy_long: float | None = None
+    below: int = 0
+    above: int = 0
+    widened: bool = False
+
+    @property
+    def drift(self) -> float:
+        if self.entropy_short is None or not self.entropy_long:
+            return 0.0
+        return abs(self.entropy_short - self.entropy_long) / abs(self.entropy_long)
+
+
+class SparsityController:
+    SHORT_ALPHA = 0.3
+    LONG_ALPHA = 0.02
+
+    def __init__(
+        self,
+        num_layers: int,
+        index_topk: int,
+        full_layers: list[int],
+        enabled: bool,
+        threshold: float,
+        patience: int,
+        widen_factor: float,
+    ) -> None:
+        self.base_topk = index_topk
+        self.full_layers = set(full_layers)
+        self.enabled, self.threshold, self.patience, self.widen_factor = enabled, threshold, patience, widen_factor
+        self.layers = [LayerState(index_topk) for _ in range(num_layers)]
+        self.num_widenings = 0
+
+    def layer_topk(self) -> list[int] | None:
+        if not any(s.widened for s in self.layers):
+            return None
+        return [s.topk for s in self.layers]
+
+    def observe(self, entropy: dict[int, float]) -> None:
+        for layer, value in entropy.items():
+            if not math.isfinite(value):
+                continue
+            s = self.layers[layer]
+            s.entropy_short = (
+                value if s.entropy_short is None else s.entropy_short + self.SHORT_ALPHA * (value - s.entropy_short)
+            )
+            s.entropy_long = (
+                value if s.entropy_long is None else s.entropy_long + self.LONG_ALPHA * (value - s.entropy_long)
+            )
+            if self.enabled and layer in self.full_layers:
+                self._control(s, value)
+
+    def _control(self, s: LayerState, value: float) -> None:
+        if value < self.threshold:
+            s.below, s.above = s.below + 1, 0
+        else:
+            s.below, s.above = 0, s.above + 1
+        if not s.widened and s.below >= self.patience:
+            s.widened, s.topk = True, math.ceil(self.base_topk * self.widen_factor)
+            self.num_widenings += 1
+        elif s.widened and s.above >= self.patience:
+            s.widened, s.topk = False, self.base_topk
+
+    @property
+    def max_drift(self) -> float:
+        return max((s.drift for s in self.layers), default=0.0)

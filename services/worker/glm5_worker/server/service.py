@@ -1,0 +1,158 @@
+"""The glm5.v1.Worker gRPC service: protobuf in, engine calls, protobuf out, errors as status codes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from glm5.errors import CapacityError, InvalidRequestError
+from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped
+from glm5_worker.engine.engine import RequestOutput
+from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_proto(req: worker_pb2.GenerateRequest, default_max_new_tokens: int) -> SamplingParams:
+    s = req.sampling
+    return SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+        max_new_tokens=s.max_new_tokens if s.HasField("max_new_tokens") else default_max_new_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=req.return_logprobs or req.top_logprobs > 0,
+        top_logprobs=req.top_logprobs,
+        prompt_logprobs=req.return_prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _logprobs(items: list[TokenLogprob]) -> list[common_pb2.TokenLogprob]:
+    return [
+        common_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in items
+    ]
+
+
+def response_from_output(out: RequestOutput) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.token_ids,
+        text=out.text,
+        logprobs=_logprobs(out.logprobs),
+        prompt_logprobs=_logprobs(out.prompt_logprobs),
+        finish_reason=int(out.finish_reason),
+        stop_reason=out.stop_reason,
+        usage=common_pb2.Usage(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_prompt_tokens=out.cached_prompt_tokens,
+        ),
+        weight_version=out.weight_version,
+    )
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        e = engine.engine
+        self.default_max_new_tokens = e.config.default_max_new_tokens
+
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        if request.prompt and request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give prompt or prompt_token_ids, not both")
+        if request.top_logprobs < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be >= 0")
+        params = sampling_from_proto(request, self.default_max_new_tokens)
+        stream = self.engine.generate(
+            request.request_id or None,
+            request.prompt or None,
+            list(request.prompt_token_ids) or None,
+            params,
+            request.add_special_tokens,
+        )
+        try:
+            async for out in stream:
+                yield response_from_output(out)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CapacityError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineStopped as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except EngineFailure as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            await stream.aclose()  # client gone or error: abort the request in the engine
+
+    async def GetStats(
+        self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        st = await self.engine.run(self.engine.engine.stats)
+        return worker_pb2.WorkerStats(
+            kv_usage=st.kv.usage,
+            kv_fragmentation=st.kv.fragmentation,
+            kv_blocks_total=st.kv.total_blocks,
+            kv_blocks_free=st.kv.free_blocks,
+            kv_block_size=st.block_size,
+            attention_entropy_drift=st.attention_entropy_drift,
+            token_latency_jitter_ms=st.token_latency_jitter_ms,
+            num_running=st.num_running,
+            num_waiting=st.num_waiting,
+            weight_version=st.weight_version,
+            prefix_cache_hit_rate=st.kv.prefix_hit_rate,
+            layers=[
+                worker_pb2.LayerSparsity(layer=i, attention_entropy=h, attention_entropy_drift=d, topk=k)
+                for i, h, d, k in st.layers
+            ],
+            generated_tokens_total=st.generated_tokens_total,
+            mean_token_latency_ms=st.mean_token_latency_ms,
+        )
+
+    async def GetModelInfo(
+        self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ModelInfo:
+        e = self.engine.engine
+        return worker_pb2.ModelInfo(
+            served_model_name=e.served_model_name,
+            architecture="GlmMoeDsaForCausalLM",
+            max_model_len=e.max_model_len,
+            vocab_size=e.model_config.vocab_size,
+            eos_token_ids=e.eos_token_ids,
+            dtype=str(e.dtype).removeprefix("torch."),
+            device=str(e.device),
+            weight_version=e.weight_version,
+            tokenizer_fingerprint=e.tokenizer.fingerprint,
+        )
+
+    async def Tokenize(
+        self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenizeResponse:
+        ids = self.engine.engine.tokenizer.encode(request.text, request.add_special_tokens)
+        return worker_pb2.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(
+        self, request: worker_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DetokenizeResponse:
+        vocab = self.engine.engine.tokenizer.vocab_size
+        bad = next((t for t in request.token_ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad} is outside the vocabulary (0..{vocab - 1})"
+            )
+        text = self.engine.engine.tokenizer.decode(list(request.token_ids), request.skip_special_tokens)
+        return worker_pb2.DetokenizeResponse(text=text)

@@ -1,0 +1,25 @@
+"""Shared fixtures: an isolated GLM5_HOME and small checkpoints built once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def glm5_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    home = tmp_path_factory.mktemp("glm5-home")
+    os.environ["GLM5_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from glm5.model.presets import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny") / "glm5-tiny", preset="tiny", seed=0)

@@ -1,0 +1,105 @@
+"""The transformers GlmMoeDsaForCausalLM oracle, and a minimal runner of our model over the paged cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from glm5.kernels import PortableKernels
+from glm5.kvcache.storage import KVLayout, PagedKVStorage
+from glm5.model.attention import DSAControls
+from glm5.model.batch import DecodeGroup, ForwardBatch, PrefillChunk
+from glm5.model.model import GlmMoeDsaForCausalLM
+
+TINY: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=1, topk_group=1,
+    num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+    qk_nope_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=16, first_k_dense_replace=1,
+    initializer_range=0.2, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+def hf_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Builds a random transformers model (weights scaled so indexer scores rarely tie) and saves it."""
+    from transformers import GlmMoeDsaConfig
+    from transformers import GlmMoeDsaForCausalLM as HF
+
+    torch.manual_seed(seed)
+    hf = HF(GlmMoeDsaConfig(**{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1)
+            elif name.endswith("norm.bias"):
+                p.normal_(0.0, 0.1)
+        for m in hf.modules():
+            if hasattr(m, "e_score_correction_bias"):
+                m.e_score_correction_bias.normal_(0, 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+class IndexRecorder:
+    """Records the top-k indices transformers' indexers return, per layer."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        self.indices: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(hf.model.layers):
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.register_forward_hook(self._hook(i))
+
+    def _hook(self, layer: int):
+        def hook(module: Any, args: Any, output: torch.Tensor) -> None:
+            self.indices[layer] = output.detach().clone()
+
+        return hook
+
+
+class RecordingKernels(PortableKernels):
+    """Portable kernels that keep the top-k positions they return (slots == positions in SimpleRunner)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def topk(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx, valid = super().topk(scores, k)
+        self.calls.append((idx.clone(), valid.clone()))
+        return idx, valid
+
+
+class SimpleRunner:
+    """One sequence over a paged cache whose slots equal positions: prefill, then token-by-token decode."""
+
+    def __init__(self, model: GlmMoeDsaForCausalLM, max_tokens: int, block_size: int = 16, warmup: int = 0):
+        c = model.config
+        blocks = -(-max_tokens // block_size)
+        index_layers = {layer: i for i, layer in enumerate(c.full_indexer_layers)}
+        layout = KVLayout(
+            c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim,
+            tuple(index_layers.get(i, -1) for i in range(c.num_hidden_layers)), block_size, blocks, 0,
+            next(model.parameters()).dtype, torch.device("cpu"),
+        )  # fmt: skip
+        self.model, self.storage = model, PagedKVStorage(layout)
+        self.table = torch.arange(blocks)
+        self.controls = DSAControls(dense_warmup_tokens=warmup)
+        self.kernels = RecordingKernels()
+        self.length = 0
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        n, p0 = ids.shape[0], self.length
+        pos = torch.arange(p0, p0 + n)
+        batch = ForwardBatch(ids, pos, pos, None, [PrefillChunk(0, n, p0 + n, self.table)], torch.arange(n))
+        self.length += n
+        return self.model(batch, self.storage, self.kernels, self.controls)
+
+    @torch.no_grad()
+    def decode(self, token: int) -> torch.Tensor:
+        p = self.length
+        self.length += 1
+        pos = torch.tensor([p])
+        group = DecodeGroup(1, self.table[None], torch.tensor([p + 1]), p + 1)
+        batch = ForwardBatch(torch.tensor([token]), pos, pos, group, [], torch.tensor([0]))
+        return self.model(batch, self.storage, self.kernels, self.controls)[0]
