@@ -18,7 +18,7 @@ def sampling(**kwargs: Any) -> common_pb2.SamplingParams:
 class WorkerClient:
     def __init__(self, target: str) -> None:
         self.channel = grpc.aio.insecure_channel(target)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)  # type: ignore[no-untyped-call]
 
     async def __aenter__(self) -> WorkerClient:
         return self

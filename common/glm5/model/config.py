@@ -175,7 +175,7 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         """MLA softmax scale; YaRN with mscale_all_dim multiplies it by mscale^2 (DeepSeek-V3)."""
-        scale = self.qk_head_dim**-0.5
+        scale: float = self.qk_head_dim**-0.5  # the same pow as transformers (bit-equal)
         if self.rope.rope_type != "default" and self.rope.mscale_all_dim:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale *= m * m
@@ -191,20 +191,21 @@ class ModelConfig:
                 f"unsupported architecture {archs or model_type!r}: this engine serves {ARCHITECTURE} "
                 f"(model_type {MODEL_TYPE!r})"
             )
-        known = {f.name for f in fields(cls)} - {"rope", "indexer_types", "mlp_layer_types", "eos_token_id"}
+        defaults = {f.name: f.default for f in fields(cls)}
+        known = set(defaults) - {"rope", "indexer_types", "mlp_layer_types", "eos_token_id"}
         kwargs: dict[str, Any] = {k: raw[k] for k in known if k in raw and raw[k] is not None}
         if "num_experts" in raw and raw["num_experts"] is not None:
             kwargs["n_routed_experts"] = raw["num_experts"]
         eos = raw.get("eos_token_id", 1)
         kwargs["eos_token_id"] = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        n = int(kwargs.get("num_hidden_layers", cls.num_hidden_layers))
+        n = int(kwargs.get("num_hidden_layers", defaults["num_hidden_layers"]))
         kwargs["indexer_types"] = _indexer_types(raw, n)
         mlp_types = raw.get("mlp_layer_types")
         if mlp_types is None:
-            n_dense = min(int(kwargs.get("first_k_dense_replace", cls.first_k_dense_replace)), n)
+            n_dense = min(int(kwargs.get("first_k_dense_replace", defaults["first_k_dense_replace"])), n)
             mlp_types = ["dense"] * n_dense + ["sparse"] * (n - n_dense)
         kwargs["mlp_layer_types"] = list(mlp_types)
-        max_pos = int(kwargs.get("max_position_embeddings", cls.max_position_embeddings))
+        max_pos = int(kwargs.get("max_position_embeddings", defaults["max_position_embeddings"]))
         rope_raw = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         if "rope_theta" not in rope_raw and raw.get("rope_theta") is not None:
             rope_raw["rope_theta"] = raw["rope_theta"]
@@ -217,6 +218,8 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        if not path.exists():
+            raise CheckpointError(f"checkpoint directory {path} does not exist")
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from glm5.errors import CheckpointError
 from glm5.model.config import ModelConfig, RopeConfig
-from glm5.model.model import GlmMoeDsaForCausalLM
+from glm5.model.model import DecoderLayer, GlmMoeDsaForCausalLM
+from glm5.model.moe import MoE
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,14 @@ def load_model(
         model = GlmMoeDsaForCausalLM(config)
     model = model.to(dtype)
     for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)
         indexer = layer.self_attn.indexer
         if indexer is not None:
             indexer.weights_proj.float()
-        if hasattr(layer.mlp, "gate"):
+        if isinstance(layer.mlp, MoE):
             layer.mlp.gate.e_score_correction_bias = layer.mlp.gate.e_score_correction_bias.float()
     model = model.to_empty(device=device)
-    params = dict(model.named_parameters())
-    params.update(dict(model.named_buffers()))
+    params: dict[str, torch.Tensor] = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     pending = set(params)
     expert_parts: dict[str, set[tuple[int, str]]] = {}
     skipped_mtp = 0

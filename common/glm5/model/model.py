@@ -88,4 +88,5 @@ class GlmMoeDsaForCausalLM(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if not all_logits:
             h = h[batch.logits_rows]
-        return self.lm_head(self.model.norm(h)).float()
+        logits: torch.Tensor = self.lm_head(self.model.norm(h)).float()
+        return logits

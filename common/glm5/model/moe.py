@@ -23,7 +23,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class Router(nn.Module):
@@ -100,4 +101,5 @@ class MoE(nn.Module):
         logits, weights, expert_ids = self.gate(x)
         if self.training:
             self.last_router_logits = logits  # read by the RL trainer's balance/entropy losses
-        return self.experts(x, expert_ids, weights) + self.shared_experts(x)
+        out: torch.Tensor = self.experts(x, expert_ids, weights) + self.shared_experts(x)
+        return out

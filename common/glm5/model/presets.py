@@ -86,7 +86,7 @@ def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, vocab_size:
     tok = write_tokenizer(out, vocab_size=vocab_size, seed=seed)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     padded = (vocab + 63) // 64 * 64  # embedding rows round up, as real checkpoints do
-    eos = [tok.token_to_id(t) for t in EOS_TOKENS]
+    eos = [i for t in EOS_TOKENS if (i := tok.token_to_id(t)) is not None]
     config = preset_config(preset, padded, eos)
     torch.manual_seed(seed)
     model = GlmMoeDsaForCausalLM(config)

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -103,7 +103,7 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None,
         params: SamplingParams,
         add_special_tokens: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Streams one request's outputs; leaving the iterator early aborts the request."""
         if not self._accepting:
             raise EngineStopped("the worker is shutting down")

@@ -58,6 +58,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     finish_reason: FinishReason = FinishReason.NONE

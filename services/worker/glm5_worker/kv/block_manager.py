@@ -26,6 +26,7 @@ class SequenceBlocks(Protocol):
 
     block_table: list[int]
     block_hashes: list[bytes]
+    num_registered_blocks: int
     num_computed_tokens: int
 
     @property
@@ -130,6 +131,7 @@ class BlockManager:
             self._release(b)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
 
     def slot(self, seq: SequenceBlocks, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -165,6 +167,7 @@ class BlockManager:
             self._take(b)
             seq.block_table.append(b)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_registered_blocks = len(seq.block_table)
         self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
@@ -173,13 +176,13 @@ class BlockManager:
         if not self.prefix_caching:
             return
         n_full = seq.num_computed_tokens // self.block_size
-        start = len(seq.block_hashes)
         self._hash_blocks(seq, n_full)
-        for j in range(min(start, n_full), n_full):
+        for j in range(seq.num_registered_blocks, n_full):
             h, b = seq.block_hashes[j], seq.block_table[j]
             if h not in self.cached:
                 self.cached[h] = b
                 self.hash_of[b] = h
+        seq.num_registered_blocks = max(seq.num_registered_blocks, n_full)
 
     # tiering ------------------------------------------------------------------------------------------------
     def demote(self, seq: SequenceBlocks) -> list[tuple[int, int]]:

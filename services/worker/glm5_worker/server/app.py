@@ -26,7 +26,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
-class RequestIdInterceptor(grpc.aio.ServerInterceptor):
+class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Puts the caller's x-request-id metadata in a context variable, for logs."""
 
     async def intercept_service(
@@ -61,7 +61,7 @@ async def start_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 
         interceptors=[RequestIdInterceptor()],
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
     )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(engine), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(engine), server)  # type: ignore[no-untyped-call]
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 import grpc
 from glm5.errors import CapacityError, InvalidRequestError
@@ -53,7 +54,7 @@ def response_from_output(out: RequestOutput) -> worker_pb2.GenerateResponse:
         text=out.text,
         logprobs=_logprobs(out.logprobs),
         prompt_logprobs=_logprobs(out.prompt_logprobs),
-        finish_reason=int(out.finish_reason),
+        finish_reason=cast(Any, int(out.finish_reason)),
         stop_reason=out.stop_reason,
         usage=common_pb2.Usage(
             prompt_tokens=out.prompt_tokens,

@@ -1,0 +1,3 @@
+from glm5_cli.main import main
+
+main()

@@ -1,0 +1,203 @@
+"""`glm5 worker` as a real process on a localhost port, exercised with real gRPC clients."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from glm5.client import sampling
+from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.helpers.procs import start_worker, stop
+
+WORKER_ARGS = ("--kv-cache-bytes", "48MiB", "--max-model-len", "2048", "--block-size", "16")
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("logs") / "worker.log"
+    proc, target = start_worker(tiny_model, *WORKER_ARGS, log=log)
+    yield target
+    assert stop(proc) == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture
+def stub(worker: str):
+    with grpc.insecure_channel(worker) as channel:
+        yield worker_pb2_grpc.WorkerStub(channel)
+
+
+def generate(stub, **kw) -> list[worker_pb2.GenerateResponse]:
+    return list(stub.Generate(worker_pb2.GenerateRequest(**kw), timeout=60))
+
+
+def test_streams_tokens_with_usage_and_logprobs(stub) -> None:
+    resps = generate(
+        stub,
+        prompt="What is 12 + 30?",
+        sampling=sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+        return_logprobs=True,
+    )
+    assert len(resps) >= 2, "tokens must stream, not arrive in one message"
+    tokens = [t for r in resps for t in r.token_ids]
+    assert len(tokens) == 12
+    assert len([lp for r in resps for lp in r.logprobs]) == 12
+    assert all(lp.logprob <= 0 for r in resps for lp in r.logprobs)
+    last = resps[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 12 and last.usage.prompt_tokens > 0
+    text = "".join(r.text for r in resps)
+    detok = stub.Detokenize(worker_pb2.DetokenizeRequest(token_ids=tokens))
+    assert text == detok.text
+
+
+def test_greedy_is_deterministic_and_seeded_sampling_repeats(stub) -> None:
+    def run(**s) -> list[int]:
+        return [
+            t for r in generate(stub, prompt="hello", sampling=sampling(max_new_tokens=8, **s)) for t in r.token_ids
+        ]
+
+    assert run(temperature=0.0) == run(temperature=0.0)
+    assert run(temperature=1.0, seed=5) == run(temperature=1.0, seed=5)
+
+
+def test_reflection_lists_the_services(worker: str) -> None:
+    with grpc.insecure_channel(worker) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"glm5.v1.Worker", "grpc.health.v1.Health"} <= names
+        req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="glm5.v1.Worker")
+        reply = next(stub.ServerReflectionInfo(iter([req])))
+        assert reply.file_descriptor_response.file_descriptor_proto
+
+
+def test_health_serving(worker: str) -> None:
+    with grpc.insecure_channel(worker) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "glm5.v1.Worker"):
+            status = stub.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize(
+    ("request_kw", "field"),
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt_token_ids=[1, 10**6]), "prompt_token_ids"),
+        (dict(prompt="x" * 3000), "prompt"),
+        (dict(prompt="hi", sampling=sampling(max_new_tokens=0)), "max_new_tokens"),
+        (dict(prompt="hi", sampling=sampling(max_new_tokens=5000)), "max_new_tokens"),
+        (dict(prompt="hi", sampling=sampling(temperature=-1.0)), "temperature"),
+        (dict(prompt="hi", sampling=sampling(top_p=0.0)), "top_p"),
+        (dict(prompt="hi", sampling=sampling(top_p=1.01)), "top_p"),
+        (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
+        (dict(prompt="hi", top_logprobs=50), "top_logprobs"),
+    ],
+)
+def test_bad_input_is_invalid_argument(stub, request_kw: dict, field: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        generate(stub, **request_kw)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    # and the server keeps serving
+    assert generate(stub, prompt="ok", sampling=sampling(max_new_tokens=2))[-1].finish_reason
+
+
+def test_tokenize_roundtrip_and_bad_ids(stub) -> None:
+    ids = stub.Tokenize(worker_pb2.TokenizeRequest(text="What is 1 + 2?")).token_ids
+    assert stub.Detokenize(worker_pb2.DetokenizeRequest(token_ids=ids)).text == "What is 1 + 2?"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Detokenize(worker_pb2.DetokenizeRequest(token_ids=[-1]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_model_info_and_stats(stub) -> None:
+    info = stub.GetModelInfo(worker_pb2.GetModelInfoRequest())
+    assert info.architecture == "GlmMoeDsaForCausalLM" and info.max_model_len == 2048
+    assert len(info.tokenizer_fingerprint) == 64 and info.eos_token_ids
+    generate(stub, prompt="a b c d e f g", sampling=sampling(max_new_tokens=20, ignore_eos=True))
+    stats = stub.GetStats(worker_pb2.GetStatsRequest())
+    assert stats.kv_blocks_total > 0 and stats.kv_block_size == 16
+    assert 0 <= stats.kv_usage <= 1 and 0 <= stats.kv_fragmentation <= 1
+    assert stats.generated_tokens_total >= 20 and stats.mean_token_latency_ms > 0
+    assert len(stats.layers) == 4
+
+
+def test_cancelled_stream_frees_the_request(worker: str) -> None:
+    async def go() -> worker_pb2.WorkerStats:
+        async with grpc.aio.insecure_channel(worker) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            call = stub.Generate(
+                worker_pb2.GenerateRequest(prompt="count", sampling=sampling(max_new_tokens=1500, ignore_eos=True))
+            )
+            got = 0
+            async for _ in call:
+                got += 1
+                if got == 3:
+                    call.cancel()
+                    break
+            for _ in range(100):
+                stats = await stub.GetStats(worker_pb2.GetStatsRequest())
+                if stats.num_running == 0:
+                    return stats
+                await asyncio.sleep(0.05)
+            return stats
+
+    stats = asyncio.run(go())
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.generated_tokens_total < 1500
+
+
+def test_concurrent_streams_are_batched(worker: str) -> None:
+    async def go() -> list[int]:
+        async with grpc.aio.insecure_channel(worker) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+
+            async def one(i: int) -> int:
+                n = 0
+                req = worker_pb2.GenerateRequest(
+                    prompt=f"request {i}", sampling=sampling(max_new_tokens=16, ignore_eos=True)
+                )
+                async for r in stub.Generate(req):
+                    n += len(r.token_ids)
+                return n
+
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+    assert asyncio.run(go()) == [16] * 8
+
+
+def test_graceful_shutdown_drains_running_requests(tiny_model: Path, tmp_path: Path) -> None:
+    proc, target = start_worker(tiny_model, *WORKER_ARGS, "--shutdown-grace", "30", log=tmp_path / "w.log")
+    with grpc.insecure_channel(target) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        stream = stub.Generate(
+            worker_pb2.GenerateRequest(prompt="drain", sampling=sampling(max_new_tokens=200, ignore_eos=True))
+        )
+        first = next(stream)
+        proc.send_signal(__import__("signal").SIGTERM)
+        rest = list(stream)
+        tokens = len(first.token_ids) + sum(len(r.token_ids) for r in rest)
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and tokens == 200
+    assert proc.wait(30) == 0
+
+
+def test_cli_generate_streams_to_the_terminal(worker: str) -> None:
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "glm5_cli", "generate", "--target", worker, "--max-new-tokens", "5", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "5 generated tokens" in out.stderr
+    assert time.monotonic() - start < 60
