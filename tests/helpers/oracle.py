@@ -63,8 +63,8 @@ class RecordingKernels(PortableKernels):
     def __init__(self) -> None:
         self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def topk(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx, valid = super().topk(scores, k)
+    def topk(self, scores: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        idx, valid = super().topk(scores, k, ordered)
         self.calls.append((idx.clone(), valid.clone()))
         return idx, valid
 

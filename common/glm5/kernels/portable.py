@@ -12,7 +12,24 @@ from glm5.kernels.base import AttentionOutput
 
 
 class PortableKernels:
+    """Not thread-safe: scratch buffers are reused across calls (one engine thread owns an instance)."""
+
     name = "portable"
+
+    def __init__(self) -> None:
+        self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A reusable scratch tensor of at least `shape` (grown, never shrunk)."""
+        key = (name, dtype, device)
+        numel = 1
+        for s in shape:
+            numel *= s
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[key] = buf
+        return buf[:numel].view(shape)
 
     def index_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
         """Lightning indexer (DeepSeek-V3.2, eq. 1): I[t, s] = sum_h w[t, h] * relu(scale * q[t, h] . k[s]).
@@ -20,13 +37,54 @@ class PortableKernels:
         q (B, n, Hi, Di) float32, weights (B, n, Hi) float32, keys (B, T, Di) -> (B, n, T) float32.
         The op order (scale, relu, weighted sum) is transformers' so top-k sets match it exactly.
         """
-        scores = torch.matmul(q, keys.transpose(-1, -2).unsqueeze(1)) * scale  # (B, n, Hi, T)
-        scores = torch.relu(scores)
+        b, n, heads, dim = q.shape
+        if b == 1:  # one context for all queries (prefill): a single GEMM
+            scores = (q.reshape(n * heads, dim) @ keys[0].T).view(1, n, heads, -1)  # (1, n, Hi, T)
+        else:
+            scores = torch.matmul(q, keys.transpose(-1, -2).unsqueeze(1))  # (B, n, Hi, T)
+        scores.mul_(scale).relu_()
         return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # (B, n, T)
 
-    def topk(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(..., T) -> indices (..., k) sorted by score descending, and valid (..., k): score > -inf."""
-        values, idx = scores.topk(k, dim=-1, sorted=True)
+    def index_scores_flat(
+        self, keys: torch.Tensor, key_scale: torch.Tensor | None, q: torch.Tensor, weights: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """One query against a contiguous run of cached keys, read in place (no gather).
+
+        keys (T, Di) in the cache dtype (INT8 with key_scale (T, 1) for the L2 tier), q (Hi, Di), weights
+        (Hi,) -> (T,) float32. Scores are computed in the cache dtype (fp32 accumulation inside the GEMM)
+        and weighted in float32; relu(s * x) = s * relu(x) for the positive per-head and per-key scales.
+        """
+        t, dev = keys.shape[0], keys.device
+        is_int8 = keys.dtype == torch.int8
+        dtype = q.dtype if is_int8 else keys.dtype
+        q_t = q.to(dtype).T.contiguous()  # (Di, Hi)
+        w = weights.float() * scale
+        heads = q.shape[0]
+        out = torch.empty(t, dtype=torch.float32, device=dev)
+        # chunks small enough that the (chunk, Hi) intermediates stay in cache between the passes
+        chunk = min(t, _SCORE_CHUNK)
+        s_low = self._buffer("scores", (chunk, heads), dtype, dev)
+        s_f32 = self._buffer("scores32", (chunk, heads), torch.float32, dev) if dtype != torch.float32 else s_low
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            part = keys[s:e].to(dtype) if is_int8 else keys[s:e]
+            lo, f32 = s_low[: e - s], s_f32[: e - s]
+            torch.mm(part, q_t, out=lo)
+            lo.relu_()
+            if f32 is not lo:
+                f32.copy_(lo)
+            torch.mv(f32, w, out=out[s:e])
+        if is_int8:
+            assert key_scale is not None
+            out.mul_(key_scale[:, 0].float())
+        return out
+
+    def topk(self, scores: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(..., T) -> indices (..., k) and valid (..., k) (score > -inf); sorted by score when `ordered`."""
+        if scores.dim() == 2 and scores.shape[-1] >= _THRESHOLD_MIN_T and k * 4 <= scores.shape[-1]:
+            rows = [_threshold_topk(row, k) for row in scores]
+            return torch.stack([r[1] for r in rows]), torch.stack([r[0] for r in rows]) > float("-inf")
+        values, idx = scores.topk(k, dim=-1, sorted=ordered)
         return idx, values > float("-inf")
 
     def sparse_mla(
@@ -44,12 +102,12 @@ class PortableKernels:
         valid (n, k) -> latent output (n, H, C) (to be multiplied by W_uv).
         """
         c = q_lat.shape[-1]
-        latent = kv[..., :c]  # (n, k, C)
-        scores = torch.matmul(q_lat, latent.transpose(1, 2))  # (n, H, k)
-        scores = scores + torch.matmul(q_rope, kv[..., c:].transpose(1, 2))
-        scores = (scores * scale).masked_fill(~valid.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
-        out = torch.matmul(probs, latent)  # (n, H, C)
+        q = torch.cat([q_lat, q_rope], dim=-1) * scale  # one product against [latent, rope key]
+        scores = _bmm(q, kv.transpose(1, 2))  # (n, H, k)
+        if not bool(valid.all()):
+            scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+        probs = _softmax32(scores)
+        out = _bmm(probs.to(q_lat.dtype), kv[..., :c])  # (n, H, C)
         return AttentionOutput(out, _entropy(probs) if want_entropy else None)
 
     def dense_mla(
@@ -62,12 +120,54 @@ class PortableKernels:
         want_entropy: bool = False,
     ) -> AttentionOutput:
         """All queries over one shared context: kv (T, C + R), valid (n, T) (causal mask) -> (n, H, C)."""
-        c = q_lat.shape[-1]
-        latent = kv[:, :c]
-        scores = torch.matmul(q_lat, latent.T) + torch.matmul(q_rope, kv[:, c:].T)  # (n, H, T)
-        scores = (scores * scale).masked_fill(~valid.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
-        return AttentionOutput(torch.matmul(probs, latent), _entropy(probs) if want_entropy else None)
+        n, h, c = q_lat.shape
+        q = (torch.cat([q_lat, q_rope], dim=-1) * scale).reshape(n * h, -1)
+        scores = (q @ kv.T).view(n, h, -1)  # (n, H, T)
+        if not bool(valid.all()):
+            scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+        probs = _softmax32(scores)
+        out = (probs.to(q_lat.dtype).view(n * h, -1) @ kv[:, :c]).view(n, h, c)
+        return AttentionOutput(out, _entropy(probs) if want_entropy else None)
+
+
+_SCORE_CHUNK = 16384
+_LOOP_BMM_MAX = 64
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched matmul. On CPU, half-precision bmm misses oneDNN's fast path (~3x slower than the same
+    products as 2-D matmuls), so small batches run as a loop of 2-D products there."""
+    if a.device.type == "cpu" and a.dtype in (torch.bfloat16, torch.float16) and a.shape[0] <= _LOOP_BMM_MAX:
+        return torch.stack([x @ y for x, y in zip(a, b, strict=True)])
+    return torch.matmul(a, b)
+
+
+_THRESHOLD_MIN_T = 16384
+_SAMPLE = 4096
+
+
+def _threshold_topk(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of a long row: guess a threshold from a strided sample, keep what passes, top-k of that.
+
+    Falls back to a full top-k when fewer than k pass, so the result is always exact.
+    """
+    n = row.shape[0]
+    sample = row[:: max(1, n // _SAMPLE)]
+    # keep ~1.5k candidates in expectation
+    rank = max(1, sample.shape[0] - int(1.5 * k * sample.shape[0] / n))
+    threshold = torch.kthvalue(sample, rank).values
+    candidates = (row >= threshold).nonzero().squeeze(1)
+    if candidates.numel() < k:
+        return row.topk(k, sorted=True)
+    values, i = row[candidates].topk(k, sorted=True)
+    return values, candidates[i]
+
+
+def _softmax32(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax in float32 (no extra copy when the scores already are)."""
+    if scores.dtype == torch.float32:
+        return torch.softmax(scores, dim=-1)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32)
 
 
 def _entropy(probs: torch.Tensor) -> float:

@@ -16,13 +16,15 @@ from torch import nn
 
 from glm5.kernels.base import DSAKernels
 from glm5.kvcache.storage import PagedKVStorage
-from glm5.model.batch import ForwardBatch
+from glm5.model.batch import DecodeGroup, ForwardBatch
 from glm5.model.config import ModelConfig
 from glm5.model.norms import RMSNorm
 from glm5.model.rope import apply_interleaved
 
-# Bound on the elements of one scratch tensor (index scores, gathered rows) so long prefills stay in memory.
-SCRATCH_ELEMENTS = 1 << 24
+# Bound on the elements of one temporary (index scores, attention scores, gathered rows). Besides bounding
+# memory on long prefills, it keeps temporaries (<= 8 MiB in float32) below glibc's mmap threshold: larger
+# ones are mapped fresh and page-faulted on every call, which made such steps several times slower.
+SCRATCH_ELEMENTS = 1 << 21
 
 
 @dataclass(slots=True)
@@ -46,6 +48,10 @@ class DSAControls:
 
     # queries at positions below this attend densely; exact whenever it is <= index_topk
     dense_warmup_tokens: int = 128
+    # decode contexts at least this long score indexer keys in place, run by run, instead of gathering them
+    paged_scoring_min_tokens: int = 8192
+    # prefill chunks whose context is at most this many times top-k attend through a mask over the context
+    prefill_dense_ratio: float = 4.0
 
 
 class Indexer(nn.Module):
@@ -172,10 +178,14 @@ class MLAttention(nn.Module):
         want = batch.collect_entropy
         if pick.shared:
             kv = cache.gather_kv(self.layer_idx, pick.slots, q_lat.dtype)  # (T, C + R)
-            res = kernels.dense_mla(q_lat, q_rope, kv, pick.valid, self.scale, want)
-            out[row0 : row0 + q_lat.shape[0]] = res.out
-            if res.entropy is not None:
-                entropies.append(res.entropy)
+            n, t = pick.valid.shape
+            tile = max(1, SCRATCH_ELEMENTS // (self.num_heads * t))
+            for s in range(0, n, tile):
+                e = min(n, s + tile)
+                res = kernels.dense_mla(q_lat[s:e], q_rope[s:e], kv, pick.valid[s:e], self.scale, want)
+                out[row0 + s : row0 + e] = res.out
+                if res.entropy is not None:
+                    entropies.append(res.entropy)
             return
         n, k = pick.slots.shape
         tile = max(1, SCRATCH_ELEMENTS // max(1, k * cache.layout.kv_dim))
@@ -203,6 +213,8 @@ class _Selector:
     ) -> None:
         self.attn, self.cache, self.kernels, self.topk = attn, cache, kernels, topk
         self.warmup = controls.dense_warmup_tokens
+        self.paged_min = controls.paged_scoring_min_tokens
+        self.dense_ratio = controls.prefill_dense_ratio
         self.index, self.batch = index, batch
         self.block_size = cache.layout.block_size
 
@@ -220,7 +232,8 @@ class _Selector:
         if bool(in_warmup.any()):
             scores = torch.where(in_warmup[:, None] & (scores > float("-inf")), float("inf"), scores)
         kk = min(scores.shape[-1], max(self.topk, width))
-        idx, valid = self.kernels.topk(scores, kk)
+        # order matters only when rows past the top-k must be told apart (warm-up wider than top-k)
+        idx, valid = self.kernels.topk(scores, kk, ordered=kk > self.topk)
         if kk > self.topk:
             valid[:, self.topk :] &= in_warmup[:, None]
         return idx, valid
@@ -229,20 +242,44 @@ class _Selector:
         dg = self.batch.decode
         assert dg is not None
         d, t = dg.num_seqs, dg.max_context
+        iq, iw = self.index if self.index is not None else (None, None)
+        if t >= self.paged_min and t > self.topk and iq is not None and iw is not None and dg.tables is not None:
+            assert dg.lengths is not None
+            # long contexts: score keys in place and map only the picked positions to slots
+            scores = self._paged_scores(iq[:d], iw[:d], dg.tables, dg.lengths, t)
+            idx, valid = self._top(scores, dg.context_lens - 1 < self.warmup, self._warmup_width(dg))
+            bs = self.block_size
+            return Picked(dg.block_tables.gather(1, idx // bs) * bs + idx % bs, valid, shared=False)
         slots = self._slots(dg.block_tables, t)  # (D, T)
         in_ctx = torch.arange(t, device=slots.device)[None] < dg.context_lens[:, None]
-        if t <= self.topk or self.index is None:
+        if t <= self.topk or iq is None or iw is None:
             # every context token is picked: no need to score them
             return Picked(slots, in_ctx, shared=False)
-        iq, iw = self.index
         keys = self.cache.gather_index(self.attn.index_layer, slots, torch.float32)  # (D, T, Di)
         scores = self._scores(iq[:d, None], iw[:d, None], keys)[:, 0]  # (D, T)
         scores = scores.masked_fill(~in_ctx, float("-inf"))
-        positions = dg.context_lens - 1
-        in_warmup = positions < self.warmup
-        width = int(dg.context_lens[in_warmup].max()) if bool(in_warmup.any()) else 0
-        idx, valid = self._top(scores, in_warmup, width)
+        idx, valid = self._top(scores, dg.context_lens - 1 < self.warmup, self._warmup_width(dg))
         return Picked(slots.gather(1, idx), valid, shared=False)
+
+    def _warmup_width(self, dg: DecodeGroup) -> int:
+        """Most context tokens among the sequences still in the dense warm-up window."""
+        in_warmup = dg.context_lens - 1 < self.warmup
+        return int(dg.context_lens[in_warmup].max()) if bool(in_warmup.any()) else 0
+
+    def _paged_scores(
+        self, iq: torch.Tensor, iw: torch.Tensor, tables: list[list[int]], lengths: list[int], t: int
+    ) -> torch.Tensor:
+        """(D, T) index scores read from the cache in place (no gather copy of the keys)."""
+        assert self.attn.indexer is not None
+        scale = self.attn.indexer.softmax_scale
+        scores = torch.full((len(tables), t), float("-inf"), device=iq.device)
+        for i, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+            parts = []
+            for first, n in self.cache.runs(table, length):
+                keys, key_scale = self.cache.index_run(self.attn.index_layer, first, n)
+                parts.append(self.kernels.index_scores_flat(keys, key_scale, iq[i], iw[i], scale))
+            scores[i, :length] = torch.cat(parts)
+        return scores
 
     def prefill(self, i: int) -> Picked:
         chunk = self.batch.prefills[i]
@@ -267,5 +304,10 @@ class _Selector:
             idx, valid = self._top(scores, in_warmup[s:e], width)
             picks_idx.append(idx)
             picks_valid.append(valid)
-        idx = torch.cat(picks_idx)
-        return Picked(slots[idx], torch.cat(picks_valid), shared=False)
+        idx, valid = torch.cat(picks_idx), torch.cat(picks_valid)
+        if t <= self.dense_ratio * idx.shape[1]:
+            # short contexts: one product over the context with the picks as a mask beats gathering k rows
+            # per query (n * k rows instead of T); the result is the same
+            mask = torch.zeros(n, t, dtype=torch.bool, device=idx.device).scatter_(1, idx, valid)
+            return Picked(slots, mask, shared=True)
+        return Picked(slots[idx], valid, shared=False)

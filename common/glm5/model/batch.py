@@ -19,6 +19,9 @@ class DecodeGroup:
     block_tables: torch.Tensor  # (D, max_blocks) int64 unified block ids, padded with 0
     context_lens: torch.Tensor  # (D,) int64, tokens in context including the new one
     max_context: int
+    # the same tables and lengths as Python lists, for kernels that read contiguous block runs in place
+    tables: list[list[int]] | None = None
+    lengths: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ class EngineConfig:
     default_max_new_tokens: int = 256
     # DSA runtime controls
     dense_warmup_tokens: int = 128
+    paged_scoring_min_tokens: int = 8192  # decode contexts this long score indexer keys in place
     dynamic_sparsity: bool = False
     sparsity_entropy_threshold: float = 0.85
     sparsity_patience: int = 3

@@ -258,3 +258,18 @@ def test_dynamic_sparsity_widens_topk_when_entropy_is_low(checkpoint) -> None:
     assert set(widened) == {0, 1, 3}  # the full-indexer layers of pattern FFSF
     assert all(k == 24 for k in widened.values())
     assert all(h > 0 for _, h, _, _ in st.layers)
+
+
+def test_in_place_paged_scoring_gives_the_same_tokens(checkpoint) -> None:
+    path, _ = checkpoint
+    p = prompts(1, seed=21)[0] * 2
+    runs = []
+    for paged_min in (1 << 30, 32):
+        # block order scrambled by an earlier request, so tables have several runs
+        engine = make_engine(path, paged_scoring_min_tokens=paged_min, max_num_batched_tokens=16)
+        engine.add_request("filler", None, prompts(1, seed=22)[0], greedy(3))
+        engine.add_request("x", None, p, greedy(12, logprobs=True))
+        outs = run(engine)["x"]
+        runs.append((tokens(outs), [x.logprob for o in outs for x in o.logprobs]))
+    assert runs[0][0] == runs[1][0]
+    assert max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1], strict=True)) < 1e-4

@@ -101,7 +101,9 @@ class Engine:
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids()))
         self.kernels = kernels_for(self.device)
-        self.controls = DSAControls(dense_warmup_tokens=config.dense_warmup_tokens)
+        self.controls = DSAControls(
+            dense_warmup_tokens=config.dense_warmup_tokens, paged_scoring_min_tokens=config.paged_scoring_min_tokens
+        )
         if config.dense_warmup_tokens > 0 and config.dense_warmup_tokens > self.model_config.index_topk:
             log.warning(
                 "dense warm-up (%d tokens) exceeds index_topk (%d): early tokens attend more than the model was "
@@ -278,7 +280,12 @@ class Engine:
             for i, seq in enumerate(sched.decodes):
                 tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table)
             decode = DecodeGroup(
-                len(sched.decodes), tables.to(self.device), torch.tensor(ctx, device=self.device), max(ctx)
+                len(sched.decodes),
+                tables.to(self.device),
+                torch.tensor(ctx, device=self.device),
+                max(ctx),
+                tables=[s.block_table for s in sched.decodes],
+                lengths=ctx,
             )
         prefills = []
         for seq, n in sched.prefills:

@@ -1,0 +1,46 @@
+"""The portable kernels' fast paths against their plain definitions."""
+
+from __future__ import annotations
+
+import torch
+from glm5.kernels import PortableKernels
+from glm5.kvcache.storage import KVLayout, PagedKVStorage, quantize_rows
+
+K = PortableKernels()
+
+
+def test_threshold_topk_is_exact() -> None:
+    g = torch.Generator().manual_seed(0)
+    for t, k in ((20000, 2048), (70000, 2048), (30000, 5000)):
+        scores = torch.randn(3, t, generator=g)
+        scores[0, : t // 2] = float("-inf")  # a short sequence padded to the batch width
+        scores[1] = torch.linspace(-1, 1, t)  # sorted input: a strided sample is maximally unrepresentative
+        idx, valid = K.topk(scores, k)
+        ref_values, ref_idx = scores.topk(k, dim=-1)
+        for r in range(3):
+            assert set(idx[r].tolist()) == set(ref_idx[r].tolist())
+            assert torch.equal(scores[r, idx[r]], ref_values[r])
+        assert valid.all()
+
+
+def test_flat_index_scores_match_the_reference_order() -> None:
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(3000, 64, generator=g)
+    q, w = torch.randn(8, 64, generator=g), torch.randn(8, generator=g)
+    ref = K.index_scores(q[None, None], w[None, None], keys[None], 0.125)[0, 0]
+    assert torch.allclose(K.index_scores_flat(keys, None, q, w, 0.125), ref, atol=1e-4, rtol=1e-5)
+    qk, scale = quantize_rows(keys)
+    deq = qk.float() * scale.float()
+    ref_q = K.index_scores(q[None, None], w[None, None], deq[None], 0.125)[0, 0]
+    got = K.index_scores_flat(qk, scale, q, w, 0.125)
+    assert torch.allclose(got, ref_q, atol=1e-3, rtol=1e-4)
+
+
+def test_runs_split_at_gaps_and_at_the_tier_boundary() -> None:
+    layout = KVLayout(1, 8, 4, 8, (0,), 4, 4, 4, torch.float32, torch.device("cpu"))
+    st = PagedKVStorage(layout)
+    assert st.runs([0, 1, 2, 3, 4, 5], 22) == [(0, 16), (4, 6)]
+    assert st.runs([5, 6, 2, 3], 13) == [(5, 8), (2, 5)]
+    keys, scale = st.index_run(0, 5, 8)
+    assert keys.dtype == torch.int8 and keys.shape == (8, 8) and scale is not None
+    assert keys.data_ptr() == st.q_index[0, 4:].data_ptr()  # a view, not a copy
