@@ -51,29 +51,26 @@ class PortableKernels:
         """One query against a contiguous run of cached keys, read in place (no gather).
 
         keys (T, Di) in the cache dtype (INT8 with key_scale (T, 1) for the L2 tier), q (Hi, Di), weights
-        (Hi,) -> (T,) float32. Scores are computed in the cache dtype (fp32 accumulation inside the GEMM)
-        and weighted in float32; relu(s * x) = s * relu(x) for the positive per-head and per-key scales.
+        (Hi,) -> (T,) float32. Scores are computed in the cache dtype (fp32 accumulation inside the GEMMs,
+        one rounding of each per-head score and of the weighted sum to that dtype); relu(s * x) = s * relu(x)
+        for the positive per-head and per-key scales. In a float32 cache everything stays float32.
         """
         t, dev = keys.shape[0], keys.device
         is_int8 = keys.dtype == torch.int8
         dtype = q.dtype if is_int8 else keys.dtype
         q_t = q.to(dtype).T.contiguous()  # (Di, Hi)
-        w = weights.float() * scale
+        w = (weights.float() * scale).to(dtype)
         heads = q.shape[0]
-        out = torch.empty(t, dtype=torch.float32, device=dev)
-        # chunks small enough that the (chunk, Hi) intermediates stay in cache between the passes
+        out = torch.empty(t, dtype=dtype, device=dev)
+        # chunks small enough that the (chunk, Hi) intermediate stays in cache between the three passes
         chunk = min(t, _SCORE_CHUNK)
-        s_low = self._buffer("scores", (chunk, heads), dtype, dev)
-        s_f32 = self._buffer("scores32", (chunk, heads), torch.float32, dev) if dtype != torch.float32 else s_low
+        scratch = self._buffer("scores", (chunk, heads), dtype, dev)
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
             part = keys[s:e].to(dtype) if is_int8 else keys[s:e]
-            lo, f32 = s_low[: e - s], s_f32[: e - s]
-            torch.mm(part, q_t, out=lo)
-            lo.relu_()
-            if f32 is not lo:
-                f32.copy_(lo)
-            torch.mv(f32, w, out=out[s:e])
+            torch.mm(part, q_t, out=scratch[: e - s]).relu_()
+            torch.mv(scratch[: e - s], w, out=out[s:e])
+        out = out.float()
         if is_int8:
             assert key_scale is not None
             out.mul_(key_scale[:, 0].float())
@@ -82,7 +79,7 @@ class PortableKernels:
     def topk(self, scores: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., T) -> indices (..., k) and valid (..., k) (score > -inf); sorted by score when `ordered`."""
         if scores.dim() == 2 and scores.shape[-1] >= _THRESHOLD_MIN_T and k * 4 <= scores.shape[-1]:
-            rows = [_threshold_topk(row, k) for row in scores]
+            rows = [_threshold_topk(row, k, ordered) for row in scores]
             return torch.stack([r[1] for r in rows]), torch.stack([r[0] for r in rows]) > float("-inf")
         values, idx = scores.topk(k, dim=-1, sorted=ordered)
         return idx, values > float("-inf")
@@ -146,7 +143,7 @@ _THRESHOLD_MIN_T = 16384
 _SAMPLE = 4096
 
 
-def _threshold_topk(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _threshold_topk(row: torch.Tensor, k: int, ordered: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of a long row: guess a threshold from a strided sample, keep what passes, top-k of that.
 
     Falls back to a full top-k when fewer than k pass, so the result is always exact.
@@ -158,8 +155,8 @@ def _threshold_topk(row: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     threshold = torch.kthvalue(sample, rank).values
     candidates = (row >= threshold).nonzero().squeeze(1)
     if candidates.numel() < k:
-        return row.topk(k, sorted=True)
-    values, i = row[candidates].topk(k, sorted=True)
+        return row.topk(k, sorted=ordered)
+    values, i = row[candidates].topk(k, sorted=ordered)
     return values, candidates[i]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 INT8_MAX = 127.0
@@ -156,13 +157,11 @@ class PagedKVStorage:
         block ids within one tier, so each run can be read as one in-place view."""
         bs, n_fp = self.layout.block_size, self.layout.num_fp_blocks
         n = -(-length // bs)
-        out: list[tuple[int, int]] = []
-        start = 0
-        for j in range(1, n + 1):
-            if j == n or table[j] != table[j - 1] + 1 or (table[j] == n_fp):
-                out.append((table[start], min(j * bs, length) - start * bs))
-                start = j
-        return out
+        ids = np.asarray(table[:n], dtype=np.int64)
+        breaks = np.flatnonzero((np.diff(ids) != 1) | (ids[1:] == n_fp)) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [n]))
+        return [(int(ids[s]), min(int(e) * bs, length) - int(s) * bs) for s, e in zip(starts, ends, strict=True)]
 
     # tiering
     def demote(self, fp_blocks: torch.Tensor, q_blocks: torch.Tensor) -> None:
