@@ -3,13 +3,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from glm5.errors import InvalidRequestError
 from glm5_worker.engine.sequence import SamplingParams
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
 
-ASCEND = Limits(vocab_size=100, max_model_len=64, is_ascend=True, ascend_temperature_floor=0.35)
-CPU = Limits(vocab_size=100, max_model_len=64, is_ascend=False, ascend_temperature_floor=0.35)
+ASCEND = Limits(vocab_size=100, max_model_len=1024, is_ascend=True, ascend_temperature_floor=0.35)
+CPU = Limits(vocab_size=100, max_model_len=1024, is_ascend=False, ascend_temperature_floor=0.35)
 
 
 def test_ascend_raises_low_temperatures_to_the_floor_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -19,13 +18,13 @@ def test_ascend_raises_low_temperatures_to_the_floor_with_a_warning(caplog: pyte
     assert validate_params(SamplingParams(temperature=0.0), 5, ASCEND).temperature == 0.0  # greedy stays greedy
     assert validate_params(SamplingParams(temperature=0.7), 5, ASCEND).temperature == 0.7
     assert validate_params(SamplingParams(temperature=0.1), 5, CPU).temperature == 0.1
-    off = Limits(vocab_size=100, max_model_len=64, is_ascend=True, ascend_temperature_floor=0.0)
+    off = Limits(vocab_size=100, max_model_len=1024, is_ascend=True, ascend_temperature_floor=0.0)
     assert validate_params(SamplingParams(temperature=0.1), 5, off).temperature == 0.1
 
 
 def test_prompt_rules() -> None:
     validate_prompt_ids([1, 2, 99], CPU)
-    for ids, field in (([], "prompt"), ([100], "prompt_token_ids"), ([-1], "prompt_token_ids"), ([1] * 64, "prompt")):
+    for ids, field in (([], "prompt"), ([100], "prompt_token_ids"), ([-1], "prompt_token_ids"), ([1] * 1024, "prompt")):
         with pytest.raises(InvalidRequestError) as err:
             validate_prompt_ids(ids, CPU)
         assert err.value.field == field
