@@ -11,6 +11,7 @@ a gathered row dequantises as `int8 * scale` with no zero point.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,29 +118,48 @@ class PagedKVStorage:
         fp = self.fp_kv[layer]
         if not self.has_q_tier:
             return _take(fp, slots).to(dtype)
-        n_fp = self.layout.num_fp_slots
-        is_q = slots >= n_fp
-        rows = _take(fp, slots.clamp(max=n_fp - 1)).to(dtype)
-        qslots = (slots - n_fp).clamp(min=0)
-        q = _take(self.q_kv[layer], qslots).to(dtype)
-        scale = _take(self.q_kv_scale[layer], qslots).to(dtype)
         c = self.layout.kv_lora_rank
-        deq = torch.cat([q[..., :c] * scale[..., :1], q[..., c:] * scale[..., 1:]], dim=-1)
-        return torch.where(is_q.unsqueeze(-1), deq, rows)
+
+        def dequantise(qslots: torch.Tensor) -> torch.Tensor:
+            q = self.q_kv[layer].index_select(0, qslots).to(dtype)
+            scale = self.q_kv_scale[layer].index_select(0, qslots).to(dtype)
+            q[:, :c] *= scale[:, :1]
+            q[:, c:] *= scale[:, 1:]
+            return q
+
+        return self._gather_tiered(fp, slots, dtype, dequantise)
 
     def gather_index(self, index_layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """slots (...) of either tier -> indexer keys (..., index_dim) in `dtype`."""
         fp = self.fp_index[index_layer]
         if not self.has_q_tier:
             return _take(fp, slots).to(dtype)
+
+        def dequantise(qslots: torch.Tensor) -> torch.Tensor:
+            q = self.q_index[index_layer].index_select(0, qslots).to(dtype)
+            return q.mul_(self.q_index_scale[index_layer].index_select(0, qslots).to(dtype))
+
+        return self._gather_tiered(fp, slots, dtype, dequantise)
+
+    def _gather_tiered(
+        self,
+        fp: torch.Tensor,
+        slots: torch.Tensor,
+        dtype: torch.dtype,
+        dequantise: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Reads each slot from its own tier once (no read of both tiers per slot, no select afterwards)."""
+        flat = slots.reshape(-1)
         n_fp = self.layout.num_fp_slots
-        is_q = slots >= n_fp
-        rows = _take(fp, slots.clamp(max=n_fp - 1)).to(dtype)
-        qslots = (slots - n_fp).clamp(min=0)
-        deq = _take(self.q_index[index_layer], qslots).to(dtype) * _take(self.q_index_scale[index_layer], qslots).to(
-            dtype
-        )
-        return torch.where(is_q.unsqueeze(-1), deq, rows)
+        is_q = flat >= n_fp
+        out = torch.empty(flat.shape[0], fp.shape[-1], dtype=dtype, device=fp.device)
+        q_pos = is_q.nonzero().squeeze(1)
+        fp_pos = (~is_q).nonzero().squeeze(1)
+        if fp_pos.numel():
+            out[fp_pos] = fp.index_select(0, flat[fp_pos]).to(dtype)
+        if q_pos.numel():
+            out[q_pos] = dequantise(flat[q_pos] - n_fp)
+        return out.view(*slots.shape, fp.shape[-1])
 
     def index_run(self, index_layer: int, first_block: int, length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """In-place view of `length` indexer keys starting at unified block `first_block` (one tier only):
