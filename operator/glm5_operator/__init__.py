@@ -1,0 +1,1 @@
+"""The kopf operator: GLM5Deployment and RLJob custom resources, their children, HCCL rank tables."""

@@ -1,0 +1,122 @@
+"""GLM5Deployment (glm5.ai/v1alpha1): one served model, its workers, router and configuration.
+
+Defaults are the engine's and the source material's (see docs/worker.md): 131072-token context, dense
+warm-up 128 tokens, INT8 KV tier with a 128-token L1 window, 8192-token batching budget, breaker thresholds
+0.65 / 0.12 / 150 ms / 30 s with 5% half-open probes, long queue paused above 85% KV usage, Ascend
+temperature floor 0.35.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from glm5_operator.api.base import Spec
+
+Accelerator = Literal["ascend-910b", "nvidia", "cpu"]
+
+
+class RopeScaling(Spec):
+    type: Literal["linear", "yarn"] = Field(description="RoPE scaling method.")
+    factor: float = Field(gt=1, description="Scaling factor; must be a power of two (2, 4, 8, ...).")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=1, description="Context the checkpoint was trained with (YaRN); default: the checkpoint's."
+    )
+
+
+class ModelSource(Spec):
+    path: str = Field(min_length=1, description="Checkpoint directory inside the worker container.")
+    pvc_name: str | None = Field(None, description="PersistentVolumeClaim holding the checkpoint, mounted at path.")
+    host_path: str | None = Field(None, description="Host directory holding the checkpoint, mounted at path.")
+    served_name: str | None = Field(None, description="Model name clients use (default: the resource name).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weight and compute dtype.")
+    max_model_len: int = Field(131072, ge=1, description="Context limit in tokens (prompt + generated).")
+    max_new_tokens: int = Field(256, ge=1, description="Default max_new_tokens for requests that give none.")
+    rope_scaling: RopeScaling | None = Field(None, description="Override the checkpoint's RoPE scaling.")
+
+
+class SparseAttention(Spec):
+    dense_warmup_tokens: int = Field(128, ge=0, description="Early tokens attend densely; 0 disables it.")
+    dynamic_sparsity: bool = Field(False, description="Widen a layer's top-k while its attention entropy is low.")
+
+
+class KVCache(Spec):
+    bytes: str = Field(
+        "auto",
+        pattern=r"^(auto|[0-9]+(\.[0-9]+)?([KMG]i?B?|[kmg]b?)?)$",
+        description="KV pool size: 'auto' or a size such as 40GiB.",
+    )
+    int8_tier: bool = Field(True, description="Store tokens older than l1Tokens as INT8 with per-token scales.")
+    l1_tokens: int = Field(128, ge=0, description="Most recent tokens kept at model precision.")
+    block_size: int = Field(64, ge=1, le=4096, description="Tokens per KV block.")
+    prefix_caching: bool = Field(True, description="Reuse cached blocks of repeated prompt prefixes.")
+
+
+class Workers(Spec):
+    replicas: int = Field(1, ge=0, description="Model replicas (one worker pod each); the scale subresource.")
+    devices_per_replica: int = Field(1, ge=1, description="Accelerators per model replica (one HCCL ring).")
+    accelerator: Accelerator = Field("cpu", description="Device type the workers request.")
+    image: str | None = Field(None, description="Worker image (default: the operator's configured image).")
+    resources: dict[str, Any] | None = Field(None, description="Extra container resources (requests/limits).")
+    ring_order: list[int] | None = Field(None, description="HCCL ring order of device ranks (default 0..N-1).")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector for worker pods.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations for worker pods.")
+    port: int = Field(50051, ge=1, le=65535, description="Worker gRPC port.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences a worker runs at once.")
+
+
+class Batching(Spec):
+    token_budget: int = Field(8192, ge=1, description="Flush a batch when its max_new_tokens sum reaches this.")
+    max_wait_ms: float = Field(5.0, ge=0, description="Or when its oldest request waited this long.")
+
+
+class Queues(Spec):
+    short_max_prompt_tokens: int = Field(2048, ge=1, description="Prompts below this go to the short queue.")
+    long_min_prompt_tokens: int = Field(32768, ge=1, description="Prompts from this length go to the long queue.")
+    long_pause_kv_usage: float = Field(0.85, gt=0, le=1, description="Pause the long queue above this KV usage.")
+    max_queued: int = Field(10000, ge=1, description="Queued requests before 429 / RESOURCE_EXHAUSTED.")
+
+
+class SecretKeyRef(Spec):
+    name: str = Field(min_length=1, description="Secret name.")
+    key: str = Field(min_length=1, description="Key in the Secret.")
+
+
+class Redis(Spec):
+    url: str | None = Field(None, description="redis:// URL of a shared queue (several router replicas).")
+    url_secret: SecretKeyRef | None = Field(None, description="Secret key holding the URL.")
+
+
+class CircuitBreaker(Spec):
+    kv_fragmentation: float = Field(0.65, ge=0, le=1, description="Open when KV fragmentation stays above.")
+    entropy_drift: float = Field(0.12, ge=0, description="Open when attention-entropy drift stays above.")
+    token_jitter_ms: float = Field(150.0, ge=0, description="Open when per-token latency jitter stays above.")
+    sustained_seconds: float = Field(30.0, ge=0, description="How long a signal must stay over its threshold.")
+    half_open_share: float = Field(0.05, gt=0, le=1, description="Share of traffic admitted as probes.")
+
+
+class Router(Spec):
+    replicas: int = Field(1, ge=0, description="Router replicas.")
+    image: str | None = Field(None, description="Router image (default: the operator's configured image).")
+    grpc_port: int = Field(50050, ge=1, le=65535, description="Router gRPC port.")
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    batching: Batching = Field(default_factory=Batching)
+    queues: Queues = Field(default_factory=Queues)
+    redis: Redis | None = Field(None, description="Shared Redis queue; in-process queues when unset.")
+    circuit_breaker: CircuitBreaker = Field(default_factory=CircuitBreaker)
+    sm4_key_secret: str | None = Field(None, description="Secret with SM4-GCM payload keys (key id -> key).")
+    thinking_policy: Literal["off", "light", "deep", "auto"] = Field("auto", description="Default thinking mode.")
+
+
+class Sampling(Spec):
+    ascend_temperature_floor: float = Field(0.35, ge=0, description="On Ascend, raise lower temperatures to it.")
+
+
+class GLM5DeploymentSpec(Spec):
+    model: ModelSource
+    sparse_attention: SparseAttention = Field(default_factory=SparseAttention)
+    kv_cache: KVCache = Field(default_factory=KVCache)
+    workers: Workers = Field(default_factory=Workers)
+    router: Router = Field(default_factory=Router)
+    sampling: Sampling = Field(default_factory=Sampling)

@@ -1,0 +1,66 @@
+"""RLJob (glm5.ai/v1alpha1): asynchronous RL over GLM-5 rollout engines behind a TITO gateway.
+
+Trust-region presets from the GLM-5 report: math (eps_low 0.15, eps_high 0.35) and terminal (0.05, 0.25);
+`custom` takes explicit values. Weights sync to the rollout engines at most every 1800 s.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from glm5_operator.api.base import Spec
+from glm5_operator.api.deployment import ModelSource, Workers
+
+MAX_SYNC_INTERVAL_S = 1800
+PRESETS: dict[str, tuple[float, float]] = {"math": (0.15, 0.35), "terminal": (0.05, 0.25)}
+
+
+class RolloutPool(Spec):
+    deployment_ref: str | None = Field(None, description="Reuse this GLM5Deployment's workers (same namespace).")
+    workers: Workers | None = Field(None, description="Own rollout workers when there is no deploymentRef.")
+
+
+class Gateway(Spec):
+    replicas: int = Field(1, ge=1, description="TITO gateway replicas.")
+    virtual_node_reserve: float = Field(0.2, ge=0, lt=1, description="Share of hash-ring virtual nodes held back.")
+    load_bound: float = Field(1.25, ge=1, description="No rank above ceil(c * load / ranks).")
+    tokenizer_fingerprint: str | None = Field(
+        None, pattern=r"^[0-9a-f]{64}$", description="sha256 engines must report; refused otherwise."
+    )
+    port: int = Field(50060, ge=1, le=65535, description="Gateway gRPC port.")
+
+
+class Trainer(Spec):
+    devices: int = Field(1, ge=1, description="Accelerators for the trainer.")
+    accelerator: Literal["ascend-910b", "nvidia", "cpu"] = Field("cpu", description="Trainer device type.")
+    learning_rate: float = Field(1e-6, gt=0, description="Optimizer learning rate.")
+    task_preset: Literal["math", "terminal", "custom"] = Field("math", description="Trust-region preset.")
+    eps_low: float | None = Field(None, gt=0, lt=1, description="Lower IS ratio bound (overrides the preset).")
+    eps_high: float | None = Field(None, gt=0, description="Upper IS ratio bound (overrides the preset).")
+    staleness_limit: int = Field(4, ge=0, description="Drop samples more than this many versions old.")
+    sync_interval_seconds: int = Field(600, ge=1, le=MAX_SYNC_INTERVAL_S, description="Max seconds between syncs.")
+    sync_every_steps: int = Field(8, ge=1, description="Publish actor_synced every K steps.")
+    ema_decay: float = Field(0.999, gt=0, lt=1, description="Decay of actor_ema.")
+    image: str | None = Field(None, description="Trainer image (default: the operator's configured image).")
+
+    def trust_region(self) -> tuple[float, float]:
+        low, high = PRESETS.get(self.task_preset, (None, None))
+        low = self.eps_low if self.eps_low is not None else low
+        high = self.eps_high if self.eps_high is not None else high
+        assert low is not None and high is not None, "validated by rljob_problems"
+        return low, high
+
+
+class Dataset(Spec):
+    uri: str = Field(min_length=1, description="Prompts/environments: a path in the trainer image or a volume.")
+    environment: str = Field("addition", description="Reward environment name.")
+
+
+class RLJobSpec(Spec):
+    policy: ModelSource
+    rollout: RolloutPool = Field(default_factory=RolloutPool)
+    gateway: Gateway = Field(default_factory=Gateway)
+    trainer: Trainer = Field(default_factory=Trainer)
+    dataset: Dataset

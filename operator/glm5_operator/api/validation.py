@@ -1,0 +1,99 @@
+"""Semantic checks the CRD schema cannot express. Each problem is a message for the InvalidSpec condition.
+
+Parsing (types, enums, ranges) is pydantic's: `parse_*` turns its errors into the same kind of messages,
+so a bad spec always ends as Ready=False / InvalidSpec with every problem listed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import ValidationError
+
+from glm5_operator.api.deployment import GLM5DeploymentSpec, ModelSource, Workers
+from glm5_operator.api.rljob import RLJobSpec
+
+
+class InvalidSpec(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _pydantic_problems(exc: ValidationError) -> list[str]:
+    return [f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)]
+
+
+def _model_problems(model: ModelSource, where: str) -> list[str]:
+    out = []
+    if model.pvc_name and model.host_path:
+        out.append(f"{where}: give pvcName or hostPath, not both")
+    rs = model.rope_scaling
+    if rs is not None and not math.log2(rs.factor).is_integer():
+        out.append(f"{where}.ropeScaling.factor: must be a power of two (2, 4, 8, ...), got {rs.factor:g}")
+    return out
+
+
+def _worker_problems(w: Workers, where: str) -> list[str]:
+    out = []
+    if w.ring_order is not None:
+        if len(w.ring_order) != w.devices_per_replica:
+            out.append(
+                f"{where}.ringOrder: lists {len(w.ring_order)} ranks but devicesPerReplica is {w.devices_per_replica}"
+            )
+        elif sorted(w.ring_order) != list(range(w.devices_per_replica)):
+            out.append(f"{where}.ringOrder: must be a permutation of 0..{w.devices_per_replica - 1}")
+        if w.accelerator != "ascend-910b":
+            out.append(f"{where}.ringOrder: only applies to accelerator ascend-910b (HCCL)")
+    if w.accelerator == "cpu" and w.devices_per_replica != 1:
+        out.append(f"{where}.devicesPerReplica: cpu workers use one device per replica")
+    return out
+
+
+def deployment_problems(spec: GLM5DeploymentSpec) -> list[str]:
+    out = _model_problems(spec.model, "spec.model") + _worker_problems(spec.workers, "spec.workers")
+    q = spec.router.queues
+    if q.short_max_prompt_tokens > q.long_min_prompt_tokens:
+        out.append("spec.router.queues: shortMaxPromptTokens must not exceed longMinPromptTokens")
+    if spec.router.redis and spec.router.redis.url and spec.router.redis.url_secret:
+        out.append("spec.router.redis: give url or urlSecret, not both")
+    if spec.model.max_new_tokens >= spec.model.max_model_len:
+        out.append("spec.model.maxNewTokens: must be below maxModelLen")
+    return out
+
+
+def rljob_problems(spec: RLJobSpec) -> list[str]:
+    out = _model_problems(spec.policy, "spec.policy")
+    pool = spec.rollout
+    if (pool.deployment_ref is None) == (pool.workers is None):
+        out.append("spec.rollout: give exactly one of deploymentRef or workers")
+    if pool.workers is not None:
+        out += _worker_problems(pool.workers, "spec.rollout.workers")
+    t = spec.trainer
+    if t.task_preset == "custom" and (t.eps_low is None or t.eps_high is None):
+        out.append("spec.trainer: taskPreset custom needs epsLow and epsHigh")
+    return out
+
+
+def parse_deployment(spec: dict[str, Any]) -> GLM5DeploymentSpec:
+    """The validated spec, or InvalidSpec listing every problem."""
+    try:
+        parsed = GLM5DeploymentSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise InvalidSpec(_pydantic_problems(exc)) from exc
+    problems = deployment_problems(parsed)
+    if problems:
+        raise InvalidSpec(problems)
+    return parsed
+
+
+def parse_rljob(spec: dict[str, Any]) -> RLJobSpec:
+    try:
+        parsed = RLJobSpec.model_validate(spec)
+    except ValidationError as exc:
+        raise InvalidSpec(_pydantic_problems(exc)) from exc
+    problems = rljob_problems(parsed)
+    if problems:
+        raise InvalidSpec(problems)
+    return parsed
