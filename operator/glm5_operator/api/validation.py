@@ -7,12 +7,15 @@ so a bad spec always ends as Ready=False / InvalidSpec with every problem listed
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from glm5_operator.api.deployment import GLM5DeploymentSpec, ModelSource, Workers
 from glm5_operator.api.rljob import RLJobSpec
+
+T = TypeVar("T", bound=BaseModel)
 
 
 class InvalidSpec(ValueError):
@@ -76,24 +79,22 @@ def rljob_problems(spec: RLJobSpec) -> list[str]:
     return out
 
 
-def parse_deployment(spec: dict[str, Any]) -> GLM5DeploymentSpec:
-    """The validated spec, or InvalidSpec listing every problem."""
+def _parse(model: type[T], spec: dict[str, Any], problems: Callable[[T], list[str]]) -> T:
     try:
-        parsed = GLM5DeploymentSpec.model_validate(spec)
+        parsed = model.model_validate(spec)
     except ValidationError as exc:
         raise InvalidSpec(_pydantic_problems(exc)) from exc
-    problems = deployment_problems(parsed)
-    if problems:
-        raise InvalidSpec(problems)
+    found = problems(parsed)
+    if found:
+        raise InvalidSpec(found)
     return parsed
+
+
+def parse_deployment(spec: dict[str, Any]) -> GLM5DeploymentSpec:
+    """The validated spec, or InvalidSpec listing every problem."""
+    return _parse(GLM5DeploymentSpec, spec, deployment_problems)
 
 
 def parse_rljob(spec: dict[str, Any]) -> RLJobSpec:
-    try:
-        parsed = RLJobSpec.model_validate(spec)
-    except ValidationError as exc:
-        raise InvalidSpec(_pydantic_problems(exc)) from exc
-    problems = rljob_problems(parsed)
-    if problems:
-        raise InvalidSpec(problems)
-    return parsed
+    """The validated spec, or InvalidSpec listing every problem."""
+    return _parse(RLJobSpec, spec, rljob_problems)
