@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
+from typing import Any
 
 import grpc
-from glm5.errors import Glm5Error
+import yaml
+from glm5.errors import ConfigError, Glm5Error
 
 
 def _init_model(a: argparse.Namespace) -> None:
@@ -69,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="serve a model over gRPC (the inference engine)")
     worker_arguments(w)
+    _add_config_file(w)
     w.set_defaults(func=_worker)
 
     g = sub.add_parser("generate", help="stream a completion from a worker or router")
@@ -91,9 +95,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def _add_config_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="YAML/JSON file of flag values ({max-model-len: 4096, dynamic-sparsity: true}); flags given on the "
+        "command line win (the operator mounts one from a ConfigMap)",
+    )
+    p.set_defaults(_parser=p)
+
+
+def _config_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
+    """Flag values from a config file, checked against the sub-command's flags so a typo is an error."""
     try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML/JSON: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of flag names to values")
+    known = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).removeprefix("--").replace("-", "_")
+        action = known.get(dest)
+        if action is None:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"config file {path}: {key!r} takes true or false, got {value!r}")
+        elif value is not None and action.type is not None and not isinstance(value, bool):
+            try:
+                value = action.type(value)  # type: ignore[operator]
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"config file {path}: {key!r}: {exc}") from exc
+        if action.choices is not None and value not in action.choices:
+            raise ConfigError(f"config file {path}: {key!r} must be one of {list(action.choices)}, got {value!r}")
+        out[dest] = value
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub: argparse.ArgumentParser | None = getattr(args, "_parser", None)
+    if sub is not None and args.config is not None:
+        sub.set_defaults(**_config_defaults(sub, args.config))
+        args = parser.parse_args(argv)  # command-line flags override the file
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args = parse_args(argv)
         args.func(args)
     except Glm5Error as exc:
         print(f"error: {exc}", file=sys.stderr)

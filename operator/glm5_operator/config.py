@@ -1,0 +1,38 @@
+"""The operator's own settings: images and timings, from the environment the chart sets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_IMAGE = "ghcr.io/glm5-stack/glm5:0.1.0"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    image: str = DEFAULT_IMAGE  # one image, several entrypoints (worker, router, gateway, trainer)
+    image_pull_policy: str = "IfNotPresent"
+    namespace: str | None = None  # watch one namespace; None watches all
+    retry_delay_s: float = 5.0  # TemporaryError delay while something the reconcile needs is missing
+    worker_startup_seconds: int = 1800  # checkpoint loading budget for the startup probe
+
+    def __post_init__(self) -> None:
+        if not self.image:
+            raise ValueError("the operator needs a default image (GLM5_IMAGE)")
+        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ValueError(
+                f"GLM5_IMAGE_PULL_POLICY must be Always, IfNotPresent or Never, not {self.image_pull_policy!r}"
+            )
+        if self.worker_startup_seconds < 10:
+            raise ValueError("GLM5_WORKER_STARTUP_SECONDS must be at least 10")
+
+    @classmethod
+    def from_env(cls) -> OperatorConfig:
+        env = os.environ
+        return cls(
+            image=env.get("GLM5_IMAGE", DEFAULT_IMAGE),
+            image_pull_policy=env.get("GLM5_IMAGE_PULL_POLICY", "IfNotPresent"),
+            namespace=env.get("GLM5_WATCH_NAMESPACE") or None,
+            retry_delay_s=float(env.get("GLM5_RETRY_DELAY_SECONDS", "5")),
+            worker_startup_seconds=int(env.get("GLM5_WORKER_STARTUP_SECONDS", "1800")),
+        )

@@ -1,0 +1,299 @@
+"""Reconciliation: parse the spec, apply every child (adopted, create-or-patch), derive status from the
+children's live state, keep the HCCL rank tables in step with the worker pods' device annotations.
+
+Blocking (kubernetes client); kopf runs it in its sync-handler thread pool (see handlers.py). Calls for
+the same custom resource are serialised with a lock so a child event and a spec update cannot interleave.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from glm5_operator.api import API_VERSION, GLM5DeploymentSpec, InvalidSpec, RLJobSpec, parse_deployment, parse_rljob
+from glm5_operator.config import OperatorConfig
+from glm5_operator.kube import Kube, Outcome, Ref
+from glm5_operator.ranktable import ANNOTATION, RankTableError, build_rank_table, parse_annotation
+from glm5_operator.render import Child, deployment_children, rljob_children
+from glm5_operator.render import rljob as rl
+from glm5_operator.render.common import child_name, selector
+from glm5_operator.render.router import router_endpoints, router_name
+from glm5_operator.render.workers import POD_INDEX_LABEL, rank_table_key, rank_table_name, worker_name
+from glm5_operator.status import (
+    Condition,
+    RankTables,
+    Rollout,
+    condition,
+    deployment_conditions,
+    invalid_spec_conditions,
+    is_ready,
+    merge_conditions,
+    rollout,
+)
+
+log = logging.getLogger(__name__)
+
+OWNER_KIND = "glm5.ai/owner-kind"
+OWNER_NAME = "glm5.ai/owner-name"
+DEPLOYMENT, RLJOB = "GLM5Deployment", "RLJob"
+# kopf.adopt(manifest, owner) in production; tests may pass the same function.
+Adopt = Callable[[dict[str, Any], dict[str, Any]], None]
+
+
+class WaitingFor(Exception):
+    """Something the reconcile needs does not exist yet; retry later (kopf.TemporaryError)."""
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _ref(kind: str, namespace: str, name: str) -> Ref:
+    return Ref(API_VERSION, kind, namespace, name)
+
+
+def owner_of(obj: dict[str, Any]) -> tuple[str, str] | None:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    kind, name = labels.get(OWNER_KIND), labels.get(OWNER_NAME)
+    return (kind, name) if kind in (DEPLOYMENT, RLJOB) and name else None
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, config: OperatorConfig, adopt: Adopt) -> None:
+        self.kube = kube
+        self.config = config
+        self.adopt = adopt
+        self._locks: dict[tuple[str, str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((kind, namespace, name), threading.Lock())
+
+    # -- entry points ---------------------------------------------------------------------------------
+
+    def reconcile(self, body: dict[str, Any]) -> dict[str, Outcome]:
+        """Apply every child of a GLM5Deployment or RLJob; raises InvalidSpec (after setting the status) or
+        WaitingFor. Returns what happened to each child, keyed `Kind/name`."""
+        kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
+        with self._lock(kind, ns, name):
+            if kind == DEPLOYMENT:
+                return self._reconcile_deployment(body)
+            return self._reconcile_rljob(body)
+
+    def refresh(self, kind: str, namespace: str, name: str, recreate: bool = False) -> None:
+        """Re-derive a resource's status from its children (and re-apply them when `recreate`): the
+        reaction to a child's event."""
+        with self._lock(kind, namespace, name):
+            body = self.kube.get(_ref(kind, namespace, name))
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            body.setdefault("kind", kind)
+            try:
+                if recreate:
+                    self._reconcile_deployment(body) if kind == DEPLOYMENT else self._reconcile_rljob(body)
+                elif kind == DEPLOYMENT:
+                    self._deployment_status(body, parse_deployment(body.get("spec") or {}))
+                else:
+                    spec = parse_rljob(body.get("spec") or {})
+                    self._rljob_status(body, spec, self._referenced(body, spec, required=False))
+            except (InvalidSpec, WaitingFor):
+                return  # the resource's own handler reports these
+
+    # -- GLM5Deployment -------------------------------------------------------------------------------
+
+    def _reconcile_deployment(self, body: dict[str, Any]) -> dict[str, Outcome]:
+        try:
+            spec = parse_deployment(body.get("spec") or {})
+        except InvalidSpec as exc:
+            self._set_status(body, {}, invalid_spec_conditions(body["metadata"].get("generation"), str(exc)))
+            raise
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        outcomes = self._apply(body, deployment_children(name, ns, spec, self.config))
+        self._deployment_status(body, spec)
+        return outcomes
+
+    def _deployment_status(self, body: dict[str, Any], spec: GLM5DeploymentSpec) -> None:
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        workers = self._workers_rollout(name, ns, spec)
+        router = rollout(
+            self.kube.get(Ref("apps/v1", "Deployment", ns, router_name(name))),
+            spec.router.replicas,
+            "availableReplicas",
+        )
+        tables = self._sync_rank_tables(name, ns, spec) if spec.workers.accelerator == "ascend-910b" else None
+        conds = deployment_conditions(body["metadata"].get("generation"), workers, router, tables)
+        fields: dict[str, Any] = {
+            "replicas": spec.workers.replicas,
+            "readyReplicas": workers.ready,
+            "selector": ",".join(f"{k}={v}" for k, v in selector(name, "worker").items()),
+            "endpoints": router_endpoints(name, ns, spec),
+        }
+        if tables is not None:
+            fields["rankTables"] = {str(r): s for r, s in sorted(tables.statuses.items())}
+        self._set_status(body, fields, conds)
+
+    def _workers_rollout(self, instance: str, ns: str, spec: GLM5DeploymentSpec) -> Rollout:
+        sts = self.kube.get(Ref("apps/v1", "StatefulSet", ns, worker_name(instance)))
+        return rollout(sts, spec.workers.replicas, "readyReplicas")
+
+    def _sync_rank_tables(self, instance: str, ns: str, spec: GLM5DeploymentSpec) -> RankTables:
+        """Build each replica's hccl.json from its pod's device annotation and write the changed ones."""
+        w = spec.workers
+        pods = self.kube.list(Ref("v1", "Pod", ns), labels=selector(instance, "worker"))
+        by_replica: dict[int, dict[str, Any]] = {}
+        for pod in pods:
+            index = _pod_index(pod)
+            if index is not None and not pod["metadata"].get("deletionTimestamp"):
+                by_replica[index] = pod
+        tables: dict[int, dict[str, Any]] = {}
+        error: str | None = None
+        for replica in range(w.replicas):
+            replica_pod = by_replica.get(replica)
+            devices = None
+            if replica_pod is not None:
+                meta = replica_pod["metadata"]
+                raw = (meta.get("annotations") or {}).get(ANNOTATION)
+                try:
+                    ip = (replica_pod.get("status") or {}).get("podIP")
+                    devices = parse_annotation(meta["name"], ip, raw, w.devices_per_replica)
+                except RankTableError as exc:
+                    error = error or str(exc)
+            try:
+                tables[replica] = build_rank_table([devices], w.ring_order)
+            except RankTableError as exc:
+                error = error or str(exc)
+                tables[replica] = build_rank_table([None], None)
+        self._write_rank_tables(instance, ns, w.replicas, tables)
+        return RankTables({r: str(t["status"]) for r, t in tables.items()}, error)
+
+    def _write_rank_tables(self, instance: str, ns: str, replicas: int, tables: dict[int, dict[str, Any]]) -> None:
+        ref = Ref("v1", "ConfigMap", ns, rank_table_name(instance))
+        live = self.kube.get(ref)
+        if live is None:
+            return  # the reconcile creates it (adopted); the next pod event fills it in
+        have: dict[str, str] = live.get("data") or {}
+        want = {rank_table_key(r): json.dumps(t, indent=2) + "\n" for r, t in tables.items()}
+        patch: dict[str, str | None] = {k: v for k, v in want.items() if have.get(k) != v}
+        patch.update({k: None for k in have if k not in want and k.startswith("replica-")})  # scaled down
+        if patch:
+            self.kube.patch(ref, {"data": patch})
+            log.info(
+                "rank tables of %s/%s: %s",
+                ns,
+                instance,
+                {k: json.loads(v)["status"] if v else None for k, v in patch.items()},
+            )
+
+    # -- RLJob ----------------------------------------------------------------------------------------
+
+    def _referenced(self, body: dict[str, Any], spec: RLJobSpec, required: bool) -> GLM5DeploymentSpec | None:
+        ref_name = spec.rollout.deployment_ref
+        if ref_name is None:
+            return None
+        ns = body["metadata"]["namespace"]
+        target = self.kube.get(_ref(DEPLOYMENT, ns, ref_name))
+        if target is None:
+            message = f"rollout.deploymentRef: GLM5Deployment {ns}/{ref_name} does not exist"
+            if required:
+                gen = body["metadata"].get("generation")
+                self._set_status(body, {"phase": "Pending"}, [
+                    condition("RolloutReady", False, "DeploymentNotFound", message, gen),
+                    condition("Ready", False, "DeploymentNotFound", message, gen),
+                ])  # fmt: skip
+            raise WaitingFor(message)
+        try:
+            return parse_deployment(target.get("spec") or {})
+        except InvalidSpec as exc:
+            raise WaitingFor(f"rollout.deploymentRef: GLM5Deployment {ns}/{ref_name} is invalid: {exc}") from exc
+
+    def _reconcile_rljob(self, body: dict[str, Any]) -> dict[str, Outcome]:
+        gen = body["metadata"].get("generation")
+        try:
+            spec = parse_rljob(body.get("spec") or {})
+        except InvalidSpec as exc:
+            self._set_status(body, {"phase": "Failed"}, invalid_spec_conditions(gen, str(exc)))
+            raise
+        ref_spec = self._referenced(body, spec, required=True)
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec))
+        self._rljob_status(body, spec, ref_spec)
+        return outcomes
+
+    def _rljob_status(self, body: dict[str, Any], spec: RLJobSpec, ref_spec: GLM5DeploymentSpec | None) -> None:
+        ns, name, gen = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("generation")
+        gateway = rollout(self.kube.get(Ref("apps/v1", "Deployment", ns, child_name(name, "gateway"))),
+                          spec.gateway.replicas, "availableReplicas")  # fmt: skip
+        trainer = rollout(
+            self.kube.get(Ref("apps/v1", "StatefulSet", ns, child_name(name, "trainer"))), 1, "readyReplicas"
+        )
+        if ref_spec is not None:
+            assert spec.rollout.deployment_ref is not None
+            engines = self._workers_rollout(spec.rollout.deployment_ref, ns, ref_spec)
+        else:
+            own = rl.rollout_deployment_spec(spec)
+            engines = self._workers_rollout(rl.rollout_instance(name), ns, own)
+            if own.workers.accelerator == "ascend-910b":
+                self._sync_rank_tables(rl.rollout_instance(name), ns, own)
+        parts = (("GatewayReady", gateway, "gateway replicas"), ("TrainerReady", trainer, "trainer"),
+                 ("RolloutReady", engines, "rollout engine replicas"))  # fmt: skip
+        conds = [
+            condition(t, r.complete, "Ready" if r.complete else "NotReady", r.describe(what), gen)
+            for t, r, what in parts
+        ]
+        waiting = [c for c in conds if c["status"] == "False"]
+        if waiting:
+            reason = waiting[0]["type"].removesuffix("Ready") + "NotReady"
+            conds.append(condition("Ready", False, reason, waiting[0]["message"], gen))
+        else:
+            conds.append(condition("Ready", True, "Ready", "gateway, trainer and rollout engines are ready", gen))
+        eps_low, eps_high = spec.trainer.trust_region()
+        fields = {
+            "phase": "Running" if not waiting else "Pending",
+            "trustRegion": {"epsLow": eps_low, "epsHigh": eps_high},
+        }
+        self._set_status(body, fields, conds)
+
+    # -- shared ---------------------------------------------------------------------------------------
+
+    def _apply(self, owner: dict[str, Any], children: list[Child]) -> dict[str, Outcome]:
+        owner_labels = {OWNER_KIND: owner["kind"], OWNER_NAME: owner["metadata"]["name"]}
+        outcomes: dict[str, Outcome] = {}
+        for child in children:
+            manifest = copy.deepcopy(child.manifest)
+            manifest["metadata"]["labels"].update(owner_labels)
+            template = manifest.get("spec", {}).get("template")
+            if template is not None:  # pods map back to their owner (rank tables, status)
+                template["metadata"]["labels"].update(owner_labels)
+            self.adopt(manifest, owner)
+            outcomes[f"{child.kind}/{child.name}"] = self.kube.apply(manifest, child.create_only)
+        return outcomes
+
+    def _set_status(self, body: dict[str, Any], fields: dict[str, Any], conds: list[Condition]) -> None:
+        """Patch the status subresource when something in it changed (a no-op write would wake watchers)."""
+        kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
+        ref = _ref(kind, ns, name)
+        live = self.kube.get(ref) or body
+        old = live.get("status") or {}
+        merged = merge_conditions(old.get("conditions"), conds, _now())
+        gen = body["metadata"].get("generation")
+        new = {**fields, "conditions": merged}
+        if gen is not None and any(c["type"] == "Ready" and c.get("reason") != "InvalidSpec" for c in conds):
+            new["observedGeneration"] = gen
+        if all(old.get(k) == v for k, v in new.items()):
+            return
+        self.kube.patch(ref, {"status": new}, subresource="status")
+        if is_ready(merged) != is_ready(old.get("conditions") or []):
+            log.info("%s %s/%s ready=%s", kind, ns, name, is_ready(merged))
+
+
+def _pod_index(pod: dict[str, Any]) -> int | None:
+    """The StatefulSet ordinal: the pod-index label (Kubernetes >= 1.28), else the name's suffix."""
+    meta = pod["metadata"]
+    raw = (meta.get("labels") or {}).get(POD_INDEX_LABEL) or meta["name"].rsplit("-", 1)[-1]
+    return int(raw) if raw.isdigit() else None

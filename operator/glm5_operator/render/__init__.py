@@ -1,0 +1,74 @@
+"""Pure functions from a custom resource's spec to its children's manifests (no cluster needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from glm5_operator.api.deployment import GLM5DeploymentSpec
+from glm5_operator.api.rljob import RLJobSpec
+from glm5_operator.config import OperatorConfig
+from glm5_operator.ranktable import build_rank_table
+from glm5_operator.render import rljob as rl
+from glm5_operator.render import router, workers
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    manifest: dict[str, Any]
+    # Created when missing but never patched by the spec reconcile: its data has another writer
+    # (the rank-table ConfigMap is filled in from the pods' device annotations).
+    create_only: bool = False
+
+    @property
+    def kind(self) -> str:
+        return str(self.manifest["kind"])
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
+
+
+def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig) -> list[Child]:
+    out = [Child(workers.engine_config_map(instance, namespace, spec))]
+    if spec.workers.accelerator == "ascend-910b":
+        pending = build_rank_table([None] * 1, spec.workers.ring_order)
+        tables = dict.fromkeys(range(spec.workers.replicas), pending)
+        out.append(Child(workers.rank_table_config_map(instance, namespace, tables), create_only=True))
+    out += [
+        Child(workers.worker_service(instance, namespace, spec)),
+        Child(workers.worker_stateful_set(instance, namespace, spec, config)),
+        Child(workers.worker_pdb(instance, namespace)),
+    ]
+    return out
+
+
+def deployment_children(name: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig) -> list[Child]:
+    """Every child of a GLM5Deployment, in apply order (configuration before what mounts it)."""
+    return [
+        *worker_children(name, namespace, spec, config),
+        Child(router.router_config_map(name, namespace, spec)),
+        Child(router.router_deployment(name, namespace, spec, config)),
+        Child(router.router_service(name, namespace, spec)),
+    ]
+
+
+def rljob_children(
+    name: str, namespace: str, spec: RLJobSpec, config: OperatorConfig, ref_spec: GLM5DeploymentSpec | None
+) -> list[Child]:
+    """Every child of an RLJob; `ref_spec` is the referenced GLM5Deployment's spec when it has a deploymentRef."""
+    engines, engine_workers = rl.engines_address(name, namespace, spec, ref_spec)
+    settings = rl.rl_settings(name, namespace, spec, engines, engine_workers)
+    out: list[Child] = []
+    if spec.rollout.deployment_ref is None:
+        out += worker_children(rl.rollout_instance(name), namespace, rl.rollout_deployment_spec(spec), config)
+    out += [
+        Child(rl.rl_config_map(name, namespace, settings)),
+        Child(rl.gateway_deployment(name, namespace, spec, settings, config)),
+        Child(rl.gateway_service(name, namespace, spec)),
+        Child(rl.trainer_stateful_set(name, namespace, spec, settings, config)),
+    ]
+    return out
+
+
+__all__ = ["Child", "deployment_children", "rljob_children", "worker_children"]

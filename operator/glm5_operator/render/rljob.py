@@ -1,0 +1,179 @@
+"""RLJob children: RL hyper-parameter ConfigMap, TITO gateway Deployment + Service, trainer StatefulSet, and
+rollout workers when the job has no deploymentRef (the same worker manifests a GLM5Deployment gets).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from glm5_operator.api.deployment import GLM5DeploymentSpec, Workers
+from glm5_operator.api.rljob import RLJobSpec
+from glm5_operator.config import OperatorConfig
+from glm5_operator.render.common import (
+    CONFIG_HASH_ANNOTATION,
+    child_name,
+    config_hash,
+    container_security_context,
+    flags_file,
+    grpc_probe,
+    labels,
+    metadata,
+    pod_security_context,
+    selector,
+)
+from glm5_operator.render.workers import ACCELERATOR_RESOURCE, worker_address
+
+RL_FILE = "rl.json"
+RL_DIR = "/etc/glm5/rl"
+CHECKPOINT_DIR = "/var/lib/glm5/checkpoints"
+
+
+def rollout_instance(job: str) -> str:
+    """Instance name of a job's own rollout workers (their children are named after it)."""
+    return child_name(job, "rollout")
+
+
+def rollout_deployment_spec(spec: RLJobSpec) -> GLM5DeploymentSpec:
+    """The job's own rollout pool as a GLM5Deployment spec, so it renders exactly like served workers."""
+    assert spec.rollout.workers is not None, "validated: deploymentRef xor workers"
+    return GLM5DeploymentSpec(model=spec.policy, workers=spec.rollout.workers)
+
+
+def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str, engine_workers: Workers) -> dict[str, Any]:
+    t, g = spec.trainer, spec.gateway
+    eps_low, eps_high = t.trust_region()
+    return {
+        "job": job,
+        "policy": spec.policy.path,
+        "engines": engines,
+        "engine-replicas": engine_workers.replicas,
+        "gateway": f"{child_name(job, 'gateway')}.{namespace}.svc:{g.port}",
+        "gateway-port": g.port,
+        "virtual-node-reserve": g.virtual_node_reserve,
+        "load-bound": g.load_bound,
+        "tokenizer-fingerprint": g.tokenizer_fingerprint,
+        "learning-rate": t.learning_rate,
+        "task-preset": t.task_preset,
+        "eps-low": eps_low,
+        "eps-high": eps_high,
+        "staleness-limit": t.staleness_limit,
+        "sync-interval-seconds": t.sync_interval_seconds,
+        "sync-every-steps": t.sync_every_steps,
+        "ema-decay": t.ema_decay,
+        "checkpoint-dir": CHECKPOINT_DIR,
+        "dataset": spec.dataset.uri,
+        "environment": spec.dataset.environment,
+    }
+
+
+def rl_config_map(job: str, namespace: str, settings: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(child_name(job, "rl"), namespace, job, "trainer"),
+        "data": {RL_FILE: flags_file(settings)},
+    }
+
+
+def _pod(
+    job: str, component: str, image: str, config: OperatorConfig, args: list[str], settings: dict[str, Any],
+    ports: list[dict[str, Any]], resources: dict[str, Any], probe_port: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    container: dict[str, Any] = {
+        "name": component,
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "args": [*args, "--config", f"{RL_DIR}/{RL_FILE}"],
+        "ports": ports,
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "rl", "mountPath": RL_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": container_security_context(),
+    }
+    if probe_port is not None:
+        container["readinessProbe"] = grpc_probe(probe_port, 5, 3)
+        container["livenessProbe"] = grpc_probe(probe_port, 20, 3)
+    return {
+        "metadata": {"labels": labels(job, component), "annotations": {CONFIG_HASH_ANNOTATION: config_hash(settings)}},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "securityContext": pod_security_context(),
+            "containers": [container],
+            "volumes": [
+                {"name": "rl", "configMap": {"name": child_name(job, "rl")}},
+                {"name": "tmp", "emptyDir": {}},
+            ],
+        },
+    }
+
+
+def gateway_deployment(
+    job: str, namespace: str, spec: RLJobSpec, settings: dict[str, Any], config: OperatorConfig
+) -> dict[str, Any]:
+    g = spec.gateway
+    ports = [{"name": "grpc", "containerPort": g.port, "protocol": "TCP"}]
+    resources = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+    template = _pod(job, "gateway", config.image, config, ["tito-gateway"], settings, ports, resources, g.port)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(child_name(job, "gateway"), namespace, job, "gateway"),
+        "spec": {"replicas": g.replicas, "selector": {"matchLabels": selector(job, "gateway")}, "template": template},
+    }
+
+
+def gateway_service(job: str, namespace: str, spec: RLJobSpec) -> dict[str, Any]:
+    port = spec.gateway.port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(child_name(job, "gateway"), namespace, job, "gateway"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(job, "gateway"),
+            "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "appProtocol": "grpc"}],
+        },
+    }
+
+
+def trainer_stateful_set(
+    job: str, namespace: str, spec: RLJobSpec, settings: dict[str, Any], config: OperatorConfig
+) -> dict[str, Any]:
+    t = spec.trainer
+    resources: dict[str, Any] = {}
+    extended = ACCELERATOR_RESOURCE.get(t.accelerator)
+    if extended:
+        resources = {"limits": {extended: t.devices}, "requests": {extended: t.devices}}
+    template = _pod(job, "trainer", t.image or config.image, config, ["trainer"], settings, [], resources, None)
+    template["spec"]["containers"][0]["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(child_name(job, "trainer"), namespace, job, "trainer"),
+        "spec": {
+            "replicas": 1,
+            "serviceName": child_name(job, "gateway"),
+            "selector": {"matchLabels": selector(job, "trainer")},
+            "template": template,
+            # Versioned checkpoints (actor_synced / actor_ema) outlive trainer restarts.
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": "checkpoints"},
+                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100Gi"}}},
+                }
+            ],
+        },
+    }
+
+
+def engines_address(
+    job: str, namespace: str, spec: RLJobSpec, ref_spec: GLM5DeploymentSpec | None
+) -> tuple[str, Workers]:
+    """Where the gateway finds its rollout engines: the referenced deployment's workers or the job's own."""
+    if spec.rollout.deployment_ref is not None:
+        assert ref_spec is not None, "the handler resolves the reference first"
+        return worker_address(spec.rollout.deployment_ref, namespace, ref_spec.workers.port), ref_spec.workers
+    own = rollout_deployment_spec(spec)
+    return worker_address(rollout_instance(job), namespace, own.workers.port), own.workers

@@ -1,0 +1,121 @@
+"""Child manifests rendered from specs: valid Kubernetes objects, the worker's real flags, stable names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from glm5_cli.main import parse_args
+from glm5_operator.api import parse_deployment, parse_rljob
+from glm5_operator.config import OperatorConfig
+from glm5_operator.render import deployment_children, rljob_children
+from glm5_operator.render.common import MAX_NAME, child_name
+from glm5_operator.render.workers import engine_settings
+from glm5_worker.cli import config_from_args
+
+CHART = Path(__file__).resolve().parents[3] / "charts" / "glm5"
+CONFIG = OperatorConfig()
+
+
+def _children(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    name = doc["metadata"]["name"]
+    if doc["kind"] == "GLM5Deployment":
+        return [c.manifest for c in deployment_children(name, "ml", parse_deployment(doc["spec"]), CONFIG)]
+    ref = parse_deployment({"model": {"path": "/m"}}) if doc["spec"]["rollout"].get("deploymentRef") else None
+    return [c.manifest for c in rljob_children(name, "ml", parse_rljob(doc["spec"]), CONFIG, ref)]
+
+
+@pytest.mark.parametrize("example", sorted((CHART / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_child_is_valid_against_the_kubernetes_schemas(example: Path) -> None:
+    children = _children(yaml.safe_load(example.read_text()))
+    assert len({(m["kind"], m["metadata"]["name"]) for m in children}) == len(children)
+    for manifest in children:
+        kubernetes_validate.validate(manifest, "1.33.0", strict=True)
+        labels = manifest["metadata"]["labels"]
+        assert labels["app.kubernetes.io/managed-by"] == "glm5-operator"
+        if "template" in manifest.get("spec", {}):
+            pod = manifest["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in pod["containers"])
+            assert (
+                manifest["spec"]["selector"]["matchLabels"].items()
+                <= manifest["spec"]["template"]["metadata"]["labels"].items()
+            )
+
+
+def test_strict_validation_would_catch_a_mistake() -> None:
+    doc = yaml.safe_load((CHART / "examples" / "cpu.yaml").read_text())
+    sts = next(m for m in _children(doc) if m["kind"] == "StatefulSet")
+    sts["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, "1.33.0", strict=True)
+
+
+def test_engine_config_is_what_glm5_worker_reads(tmp_path: Path) -> None:
+    spec = parse_deployment({
+        "model": {"path": "/models/glm5", "dtype": "bfloat16", "maxModelLen": 65536, "maxNewTokens": 512,
+                  "ropeScaling": {"type": "yarn", "factor": 4, "originalMaxPositionEmbeddings": 16384}},
+        "sparseAttention": {"denseWarmupTokens": 0, "dynamicSparsity": True},
+        "kvCache": {"bytes": "40GiB", "int8Tier": False, "l1Tokens": 256, "blockSize": 128, "prefixCaching": False},
+        "workers": {"accelerator": "ascend-910b", "devicesPerReplica": 8, "maxNumSeqs": 32},
+        "sampling": {"ascendTemperatureFloor": 0.4},
+    })  # fmt: skip
+    (cm,) = [c.manifest for c in deployment_children("glm5", "ml", spec, CONFIG) if c.name == "glm5-engine"]
+    path = tmp_path / "engine.json"
+    path.write_text(cm["data"]["engine.json"])
+    args = parse_args(["worker", "--config", str(path)])
+    engine = config_from_args(args)
+    assert (engine.model, engine.served_model_name, engine.device, engine.dtype) == (
+        "/models/glm5",
+        "glm5",
+        "npu",
+        "bfloat16",
+    )
+    assert (engine.max_model_len, engine.default_max_new_tokens) == (65536, 512)
+    assert (engine.rope_scaling, engine.rope_factor, engine.rope_original_max_position_embeddings) == (
+        "yarn",
+        4.0,
+        16384,
+    )
+    assert engine.kv_cache_bytes == 40 << 30 and not engine.kv_int8_tier and not engine.enable_prefix_caching
+    assert (engine.l1_tokens, engine.block_size, engine.max_num_seqs) == (256, 128, 32)
+    assert engine.dense_warmup_tokens == 0 and engine.dynamic_sparsity
+    assert engine.ascend_temperature_floor == 0.4
+    # A flag on the command line still wins over the file.
+    assert config_from_args(parse_args(["worker", "--config", str(path), "--max-num-seqs", "4"])).max_num_seqs == 4
+
+
+def test_config_hash_rolls_pods_only_for_engine_changes() -> None:
+    def template_hash(spec: dict[str, Any]) -> str:
+        children = deployment_children("x", "ml", parse_deployment(spec), CONFIG)
+        sts = next(c.manifest for c in children if c.kind == "StatefulSet")
+        return str(sts["spec"]["template"]["metadata"]["annotations"]["glm5.ai/config-hash"])
+
+    base = {"model": {"path": "/m"}}
+    assert template_hash(base) == template_hash({**base, "workers": {"replicas": 5}})
+    assert template_hash(base) != template_hash({**base, "kvCache": {"bytes": "1GiB"}})
+
+
+@pytest.mark.parametrize(
+    "accelerator,resource", [("nvidia", "nvidia.com/gpu"), ("ascend-910b", "huawei.com/Ascend910")]
+)
+def test_accelerators_request_their_extended_resource(accelerator: str, resource: str) -> None:
+    spec = parse_deployment({"model": {"path": "/m"}, "workers": {"accelerator": accelerator, "devicesPerReplica": 8,
+                             "resources": {"limits": {"memory": "64Gi"}}}})  # fmt: skip
+    sts = next(c.manifest for c in deployment_children("x", "ml", spec, CONFIG) if c.kind == "StatefulSet")
+    res = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert res["limits"] == {"memory": "64Gi", resource: 8} and res["requests"] == {resource: 8}
+    assert spec.workers.resources == {"limits": {"memory": "64Gi"}}  # the spec itself is not mutated
+    assert engine_settings(spec, "x")["device"] == {"nvidia": "cuda", "ascend-910b": "npu"}[accelerator]
+
+
+def test_long_names_stay_valid_and_distinct() -> None:
+    a, b = "a" * 60 + "-one", "a" * 60 + "-two"
+    for suffix in ("worker", "router-config", "ranktable"):
+        na, nb = child_name(a, suffix), child_name(b, suffix)
+        assert len(na) <= MAX_NAME and len(nb) <= MAX_NAME and na != nb
+        assert na.endswith(f"-{suffix}") and na == child_name(a, suffix)
+    assert child_name("tiny", "worker") == "tiny-worker"
