@@ -7,8 +7,9 @@ from glm5_operator.kube import _removed, is_subset
 
 def test_subset_ignores_server_defaults_and_quantity_forms() -> None:
     desired = {"spec": {"containers": [{"name": "w", "resources": {"limits": {"nvidia.com/gpu": 2}}}]}}
-    live = {"spec": {"containers": [{"name": "w", "terminationMessagePath": "/dev/termination-log",
-                                     "resources": {"limits": {"nvidia.com/gpu": "2"}}}], "dnsPolicy": "ClusterFirst"}}  # fmt: skip
+    container = {"name": "w", "terminationMessagePath": "/dev/termination-log",
+                 "resources": {"limits": {"nvidia.com/gpu": "2"}}}  # fmt: skip
+    live = {"spec": {"containers": [container], "dnsPolicy": "ClusterFirst"}}
     assert is_subset(desired, live)
     assert not is_subset({"spec": {"containers": [{"name": "x"}]}}, live)
     assert not is_subset({"spec": {"containers": []}}, live)  # lists compare by length too
