@@ -64,6 +64,30 @@ def _worker(a: argparse.Namespace) -> None:
     run(a)
 
 
+def _operator(a: argparse.Namespace) -> None:
+    import logging
+
+    from glm5_operator.config import OperatorConfig
+    from glm5_operator.handlers import run
+
+    logging.basicConfig(
+        level=logging.DEBUG if a.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    env = OperatorConfig.from_env()
+    try:
+        config = OperatorConfig(
+            image=a.image or env.image,
+            image_pull_policy=env.image_pull_policy,
+            namespace=a.namespace or env.namespace,
+            retry_delay_s=env.retry_delay_s,
+            worker_startup_seconds=env.worker_startup_seconds,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    liveness = f"http://0.0.0.0:{a.health_port}/healthz" if a.health_port else None
+    asyncio.run(run(config, liveness_endpoint=liveness))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from glm5_worker.cli import add_arguments as worker_arguments
 
@@ -86,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(func=_generate)
+
+    o = sub.add_parser("operator", help="run the Kubernetes operator against the current kubeconfig / service account")
+    o.add_argument("--namespace", help="watch only this namespace (default: all, or $GLM5_WATCH_NAMESPACE)")
+    o.add_argument("--image", help="default image for workers, router, gateway and trainer (or $GLM5_IMAGE)")
+    o.add_argument("--health-port", type=int, default=8080, help="serve /healthz on this port (0: off)")
+    o.add_argument("--verbose", action="store_true")
+    o.set_defaults(func=_operator)
 
     m = sub.add_parser("init-model", help="write a small random-weight GLM-5-architecture checkpoint")
     m.add_argument("--preset", default="tiny")

@@ -1,0 +1,129 @@
+"""The Helm chart, checked with a real helm v4 binary (scripts/get-helm) and the Kubernetes OpenAPI schemas."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from glm5_operator.api import parse_deployment, parse_rljob
+from glm5_operator.config import OperatorConfig
+from glm5_operator.kube import PLURALS
+from glm5_operator.render import deployment_children, rljob_children
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "glm5"
+HELM = Path(os.environ.get("GLM5_HELM", ROOT / ".cache" / "tools" / "helm"))
+VARIANTS = {
+    "default": [],
+    "namespaced": ["--set", "operator.watchNamespace=ml", "--set", "operator.logLevel=debug"],
+    "no-sa": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=existing"],
+}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    assert HELM.exists(), f"no helm binary at {HELM}: run scripts/get-helm (scripts/bootstrap does)"
+    return subprocess.run([str(HELM), *args], capture_output=True, text=True, check=check, timeout=120)
+
+
+def render(*extra: str) -> list[dict[str, Any]]:
+    out = helm("template", "glm5", str(CHART), "--namespace", "glm5-system", "--include-crds", *extra).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lint_strict_is_clean(variant: str) -> None:
+    result = helm("lint", "--strict", str(CHART), *VARIANTS[variant])
+    assert "0 chart(s) failed" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendered_manifests_pass_kubernetes_validate_strict(variant: str) -> None:
+    docs = render(*VARIANTS[variant])
+    kinds = {d["kind"] for d in docs}
+    assert {"CustomResourceDefinition", "Deployment", "ClusterRole"} <= kinds
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
+
+
+def _rules(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(d["metadata"]["name"], r) for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
+
+
+def test_rbac_is_least_privilege_and_split() -> None:
+    rules = _rules(render())
+    for role, rule in rules:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key], f"wildcard {key} in {role}"
+        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"]), role
+    status = [role for role, r in rules if any(x.endswith("/status") for x in r["resources"])]
+    finalizers = [role for role, r in rules if any(x.endswith("/finalizers") for x in r["resources"])]
+    assert status and finalizers and set(status).isdisjoint(finalizers)
+    assert all(role.endswith("-status") for role in status) and all(role.endswith("-finalizers") for role in finalizers)
+
+
+def test_rbac_covers_every_child_the_operator_creates() -> None:
+    """The manager role must allow create+patch of every kind rendering produces (no drift between them)."""
+    config = OperatorConfig()
+    spec = parse_deployment({"model": {"path": "/m"}, "workers": {"accelerator": "ascend-910b"}})
+    job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {}}, "dataset": {"uri": "/d"}})
+    manifests = [c.manifest for c in deployment_children("x", "ns", spec, config)]
+    manifests += [c.manifest for c in rljob_children("y", "ns", job, config, None)]
+    allowed = {
+        (g, res, v) for _, r in _rules(render()) for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]
+    }
+    for m in manifests:
+        group = m["apiVersion"].rpartition("/")[0]
+        for verb in ("get", "list", "watch", "create", "patch"):
+            assert (group, PLURALS[m["kind"]], verb) in allowed, (m["kind"], verb)
+    for verb in ("get", "list", "watch"):  # rank tables follow the worker pods
+        assert ("", "pods", verb) in allowed
+
+
+def test_operator_deployment_is_hardened() -> None:
+    (dep,) = [d for d in render() if d["kind"] == "Deployment"]
+    assert dep["spec"]["replicas"] == 1
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    (c,) = pod["containers"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]
+    assert c["args"][0] == "operator"
+    assert set(dep["spec"]["selector"]["matchLabels"]) == {"app.kubernetes.io/name", "app.kubernetes.io/instance"}
+
+
+def test_values_schema_rejects_bad_values() -> None:
+    result = helm("template", "glm5", str(CHART), "--set", "operator.healthPort=70000", check=False)
+    assert result.returncode != 0 and "healthPort" in result.stderr
+    result = helm("template", "glm5", str(CHART), "--set", "operater.logLevel=debug", check=False)
+    assert result.returncode != 0 and "operater" in result.stderr
+
+
+def _leaves(node: Any, path: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [leaf for k, v in node.items() for leaf in _leaves(v, f"{path}.{k}" if path else k)]
+    return [path]
+
+
+def test_every_value_is_documented_and_typed() -> None:
+    text = (CHART / "values.yaml").read_text()
+    params = set(re.findall(r"## @param (\S+)", text))
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for leaf in _leaves(yaml.safe_load(text)):
+        documented = any(leaf == p or leaf.startswith(p + ".") for p in params)
+        assert documented, f"{leaf} has no ## @param line in values.yaml"
+        node = schema
+        for part in leaf.split("."):
+            if part not in node.get("properties", {}):
+                break  # free-form object below here (resources, nodeSelector, ...)
+            node = node["properties"][part]
+            assert node.get("description"), f"{leaf}: no description in values.schema.json"
