@@ -41,14 +41,31 @@ def resolve_device(name: str) -> torch.device:
 
 
 def available_memory(device: torch.device) -> int:
-    """Free memory on the device, in bytes (host MemAvailable for CPU)."""
+    """Free memory on the device, in bytes. For CPU: the host's MemAvailable, capped by the container's cgroup
+    memory limit (in a pod, the node's free memory is not ours to take)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     if device.type == "npu":
         return int(torch.npu.mem_get_info(device)[0])  # type: ignore[attr-defined]
+    free = 4 << 30
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+                free = int(line.split()[1]) * 1024
+    limited = cgroup_free_memory()
+    return min(free, limited) if limited is not None else free
+
+
+def cgroup_free_memory(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2, else v1); None without a limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            raw = (root / limit_file).read_text().strip()
+            if raw == "max" or int(raw) >= 1 << 60:  # v1 reports "no limit" as a huge number
+                return None
+            return max(0, int(raw) - int((root / usage_file).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return None

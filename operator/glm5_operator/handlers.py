@@ -62,10 +62,10 @@ def build_registry(
     # A registry of our own has none of kopf's default logins: use the kubernetes client's, unless given one.
     kopf.on.login(registry=registry, id="login")(login or kopf.login_via_client)
 
-    def _reconcile(body: kopf.Body, **_: Any) -> None:
+    def _reconcile(body: kopf.Body, reason: str, **_: Any) -> None:
         raw = {**dict(body), "kind": body["kind"]}
         try:
-            outcomes = reconciler().reconcile(raw)
+            outcomes = reconciler().reconcile(raw, new=reason == kopf.Reason.CREATE)
         except InvalidSpec as exc:
             kopf.warn(body, reason="InvalidSpec", message=str(exc))
             raise kopf.PermanentError(f"invalid spec: {exc}") from exc
@@ -87,7 +87,9 @@ def build_registry(
         deleted = event.get("type") == "DELETED"
         if deleted and body["kind"] == "Pod":
             deleted = False  # pods belong to their StatefulSet; only the rank table and status follow them
-        if deleted or body["kind"] in STATUS_SOURCES:
+        # A workload without status yet (just created) cannot change what the creating reconcile derived.
+        fresh = body["kind"] != "Pod" and not body.get("status")
+        if deleted or (body["kind"] in STATUS_SOURCES and not fresh):
             reconciler().refresh(owner[0], body.metadata.namespace or "", owner[1], recreate=deleted)
 
     for group, version, plural in [*CHILDREN, ("", "v1", "pods")]:

@@ -129,11 +129,12 @@ class Kube:
             if exc.status != 404:
                 raise
 
-    def apply(self, manifest: dict[str, Any], create_only: bool = False) -> Outcome:
-        """Create or patch so that the live object carries `manifest`'s fields; see the module docstring."""
+    def apply(self, manifest: dict[str, Any], create_only: bool = False, likely_new: bool = False) -> Outcome:
+        """Create or patch so that the live object carries `manifest`'s fields; see the module docstring.
+        `likely_new` (the owner was just created) tries the create first and reads only on a conflict."""
         ref = Ref.of(manifest)
         desired = _with_last_applied(manifest)
-        live = self.get(ref)
+        live = None if likely_new else self.get(ref)
         if live is None:
             try:
                 self.create(desired)

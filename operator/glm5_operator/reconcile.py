@@ -69,6 +69,9 @@ class Reconciler:
         self.config = config
         self.adopt = adopt
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
+        # The status this process last wrote per resource (it is the only writer): kopf's event bodies can
+        # predate a write made by a child event, so they are not a safe base for "did anything change".
+        self._written: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._locks_guard = threading.Lock()
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
@@ -77,14 +80,15 @@ class Reconciler:
 
     # -- entry points ---------------------------------------------------------------------------------
 
-    def reconcile(self, body: dict[str, Any]) -> dict[str, Outcome]:
+    def reconcile(self, body: dict[str, Any], new: bool = False) -> dict[str, Outcome]:
         """Apply every child of a GLM5Deployment or RLJob; raises InvalidSpec (after setting the status) or
-        WaitingFor. Returns what happened to each child, keyed `Kind/name`."""
+        WaitingFor. `new`: the resource was just created, so its children most likely do not exist yet.
+        Returns what happened to each child, keyed `Kind/name`."""
         kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
         with self._lock(kind, ns, name):
             if kind == DEPLOYMENT:
-                return self._reconcile_deployment(body)
-            return self._reconcile_rljob(body)
+                return self._reconcile_deployment(body, new)
+            return self._reconcile_rljob(body, new)
 
     def refresh(self, kind: str, namespace: str, name: str, recreate: bool = False) -> None:
         """Re-derive a resource's status from its children (and re-apply them when `recreate`): the
@@ -96,7 +100,9 @@ class Reconciler:
             body.setdefault("kind", kind)
             try:
                 if recreate:
-                    self._reconcile_deployment(body) if kind == DEPLOYMENT else self._reconcile_rljob(body)
+                    self._reconcile_deployment(body, False) if kind == DEPLOYMENT else self._reconcile_rljob(
+                        body, False
+                    )
                 elif kind == DEPLOYMENT:
                     self._deployment_status(body, parse_deployment(body.get("spec") or {}))
                 else:
@@ -107,14 +113,14 @@ class Reconciler:
 
     # -- GLM5Deployment -------------------------------------------------------------------------------
 
-    def _reconcile_deployment(self, body: dict[str, Any]) -> dict[str, Outcome]:
+    def _reconcile_deployment(self, body: dict[str, Any], new: bool) -> dict[str, Outcome]:
         try:
             spec = parse_deployment(body.get("spec") or {})
         except InvalidSpec as exc:
             self._set_status(body, {}, invalid_spec_conditions(body["metadata"].get("generation"), str(exc)))
             raise
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        outcomes = self._apply(body, deployment_children(name, ns, spec, self.config))
+        outcomes = self._apply(body, deployment_children(name, ns, spec, self.config), new)
         self._deployment_status(body, spec)
         return outcomes
 
@@ -212,7 +218,7 @@ class Reconciler:
         except InvalidSpec as exc:
             raise WaitingFor(f"rollout.deploymentRef: GLM5Deployment {ns}/{ref_name} is invalid: {exc}") from exc
 
-    def _reconcile_rljob(self, body: dict[str, Any]) -> dict[str, Outcome]:
+    def _reconcile_rljob(self, body: dict[str, Any], new: bool) -> dict[str, Outcome]:
         gen = body["metadata"].get("generation")
         try:
             spec = parse_rljob(body.get("spec") or {})
@@ -221,7 +227,7 @@ class Reconciler:
             raise
         ref_spec = self._referenced(body, spec, required=True)
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec))
+        outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec), new)
         self._rljob_status(body, spec, ref_spec)
         return outcomes
 
@@ -261,7 +267,7 @@ class Reconciler:
 
     # -- shared ---------------------------------------------------------------------------------------
 
-    def _apply(self, owner: dict[str, Any], children: list[Child]) -> dict[str, Outcome]:
+    def _apply(self, owner: dict[str, Any], children: list[Child], new: bool) -> dict[str, Outcome]:
         owner_labels = {OWNER_KIND: owner["kind"], OWNER_NAME: owner["metadata"]["name"]}
         outcomes: dict[str, Outcome] = {}
         for child in children:
@@ -271,15 +277,14 @@ class Reconciler:
             if template is not None:  # pods map back to their owner (rank tables, status)
                 template["metadata"]["labels"].update(owner_labels)
             self.adopt(manifest, owner)
-            outcomes[f"{child.kind}/{child.name}"] = self.kube.apply(manifest, child.create_only)
+            outcomes[f"{child.kind}/{child.name}"] = self.kube.apply(manifest, child.create_only, new)
         return outcomes
 
     def _set_status(self, body: dict[str, Any], fields: dict[str, Any], conds: list[Condition]) -> None:
         """Patch the status subresource when something in it changed (a no-op write would wake watchers)."""
         kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
         ref = _ref(kind, ns, name)
-        live = self.kube.get(ref) or body
-        old = live.get("status") or {}
+        old = self._written.get((kind, ns, name)) or body.get("status") or {}
         merged = merge_conditions(old.get("conditions"), conds, _now())
         gen = body["metadata"].get("generation")
         new = {**fields, "conditions": merged}
@@ -288,6 +293,7 @@ class Reconciler:
         if all(old.get(k) == v for k, v in new.items()):
             return
         self.kube.patch(ref, {"status": new}, subresource="status")
+        self._written[(kind, ns, name)] = {**old, **new}
         if is_ready(merged) != is_ready(old.get("conditions") or []):
             log.info("%s %s/%s ready=%s", kind, ns, name, is_ready(merged))
 

@@ -115,8 +115,8 @@ async def test_spec_change_patches_only_what_changed(cluster: Cluster) -> None:
     )
     changed = {c for c in CHILDREN if cluster.versions(*c) != before[c]}
     assert changed == {("ConfigMap", "tiny-engine"), ("StatefulSet", "tiny-worker")}
-    observed = cluster.obj("GLM5Deployment", "tiny")["status"]["observedGeneration"]
-    assert observed == cluster.obj("GLM5Deployment", "tiny")["metadata"]["generation"]
+    cr = lambda: cluster.obj("GLM5Deployment", "tiny")  # noqa: E731
+    await eventually(lambda: cr()["status"]["observedGeneration"] == cr()["metadata"]["generation"] == 3)
 
 
 async def test_removed_field_is_removed_from_the_child(cluster: Cluster) -> None:
