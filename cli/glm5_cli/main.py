@@ -88,11 +88,49 @@ def _operator(a: argparse.Namespace) -> None:
     asyncio.run(run(config, liveness_endpoint=liveness))
 
 
+def _router(a: argparse.Namespace) -> None:
+    from glm5_router.cli import run
+
+    run(a)
+
+
+def _serve(a: argparse.Namespace) -> None:
+    from glm5_cli.serve import run
+
+    run(a)
+
+
+def _chat(a: argparse.Namespace) -> None:
+    from glm5_cli.chat import run
+
+    sys.exit(run(a))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from glm5_router.cli import add_arguments as router_arguments
     from glm5_worker.cli import add_arguments as worker_arguments
+
+    from glm5_cli.serve import add_arguments as serve_arguments
 
     parser = argparse.ArgumentParser(prog="glm5", description="Serve and RL-train GLM-5-family models.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run workers and the router on this machine (the local stack)")
+    serve_arguments(s)
+    s.set_defaults(func=_serve)
+
+    c = sub.add_parser("chat", help="chat with a router's OpenAI-compatible API (streams reasoning and answer)")
+    c.add_argument("message", nargs="?", help="one message; without it, an interactive session")
+    c.add_argument("--url", default="http://localhost:8000/v1")
+    c.add_argument("--thinking", choices=["off", "light", "deep"])
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float)
+    c.set_defaults(func=_chat)
+
+    r = sub.add_parser("router", help="the front door: gRPC + OpenAI-compatible HTTP over workers")
+    router_arguments(r)
+    _add_config_file(r)
+    r.set_defaults(func=_router)
 
     w = sub.add_parser("worker", help="serve a model over gRPC (the inference engine)")
     worker_arguments(w)

@@ -25,3 +25,11 @@ class InvalidRequestError(Glm5Error, ValueError):
 
 class CapacityError(Glm5Error):
     """The request can never fit (KV pool) or the queue is full; retrying later may help."""
+
+
+class DeadlineError(Glm5Error):
+    """A request waited past its deadline before it could be served."""
+
+
+class UnavailableError(Glm5Error):
+    """No worker could serve the request, or a stream broke after tokens were sent (never retried then)."""

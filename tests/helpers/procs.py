@@ -56,3 +56,47 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before serving {url}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers (503 while no worker is ready is still an answer)
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} not answering after {timeout}s")
+
+
+def start_scripted_worker(stats_file: Path | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "tests.helpers.scripted_worker", "--port", str(port)]
+    if stats_file is not None:
+        cmd += ["--stats-file", str(stats_file)]
+    proc = subprocess.Popen(cmd, env=os.environ.copy(), cwd=Path(__file__).resolve().parents[2])
+    target = f"127.0.0.1:{port}"
+    wait_serving(target, proc=proc)
+    return proc, target
+
+
+def start_router(workers: list[str], *extra: str, log: Path | None = None) -> tuple[subprocess.Popen, str, str]:
+    """A `glm5 router` process: (process, gRPC target, HTTP base URL ending in /v1)."""
+    grpc_port, http_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "glm5_cli", "router", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
+           "--http-port", str(http_port), "--stats-interval", "0.2", *extra]  # fmt: skip
+    for w in workers:
+        cmd += ["--worker", w]
+    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the process
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    base = f"http://127.0.0.1:{http_port}"
+    wait_http(base + "/health", proc)
+    wait_serving(f"127.0.0.1:{grpc_port}", proc=proc)
+    return proc, f"127.0.0.1:{grpc_port}", base + "/v1"

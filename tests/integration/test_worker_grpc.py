@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from glm5.client import sampling
+from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -123,6 +124,13 @@ def test_model_info_and_stats(stub) -> None:
     info = stub.GetModelInfo(worker_pb2.GetModelInfoRequest())
     assert info.architecture == "GlmMoeDsaForCausalLM" and info.max_model_len == 2048
     assert len(info.tokenizer_fingerprint) == 64 and info.eos_token_ids
+    files = stub.GetTokenizer(worker_pb2.GetTokenizerRequest())
+    assert files.fingerprint == info.tokenizer_fingerprint
+    remote = Tokenizer.from_files(files.tokenizer_json, files.tokenizer_config_json)
+    assert remote.fingerprint == info.tokenizer_fingerprint  # the router's copy is the worker's tokenizer
+    assert remote.encode("What is 1 + 2?") == list(
+        stub.Tokenize(worker_pb2.TokenizeRequest(text="What is 1 + 2?")).token_ids
+    )
     generate(stub, prompt="a b c d e f g", sampling=sampling(max_new_tokens=20, ignore_eos=True))
     stats = stub.GetStats(worker_pb2.GetStatsRequest())
     assert stats.kv_blocks_total > 0 and stats.kv_block_size == 16

@@ -25,13 +25,32 @@ class Tokenizer:
         file = path / "tokenizer.json"
         if not file.is_file():
             raise CheckpointError(f"no tokenizer.json in {path}")
-        try:
-            self._tok = HFTokenizer.from_file(str(file))
-        except Exception as exc:  # the Rust side raises plain Exceptions
-            raise CheckpointError(f"cannot read {file}: {exc}") from exc
-        self._json_bytes = file.read_bytes()
         cfg_file = path / "tokenizer_config.json"
-        self.config: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self._load(file.read_bytes(), cfg_file.read_text() if cfg_file.is_file() else "", str(file))
+
+    @classmethod
+    def from_files(cls, tokenizer_json: bytes, tokenizer_config_json: str, source: str = "tokenizer.json") -> Tokenizer:
+        """The same tokenizer from the files' contents (a router gets them from a worker)."""
+        tok = cls.__new__(cls)
+        tok._load(tokenizer_json, tokenizer_config_json, source)
+        return tok
+
+    @property
+    def files(self) -> tuple[bytes, str]:
+        """(tokenizer.json, tokenizer_config.json) contents, as `from_files` takes them."""
+        return self._json_bytes, self._config_text
+
+    def _load(self, tokenizer_json: bytes, tokenizer_config_json: str, source: str) -> None:
+        try:
+            self._tok = HFTokenizer.from_str(tokenizer_json.decode())
+        except Exception as exc:  # the Rust side raises plain Exceptions
+            raise CheckpointError(f"cannot read {source}: {exc}") from exc
+        self._json_bytes = tokenizer_json
+        self._config_text = tokenizer_config_json
+        try:
+            self.config: dict[str, Any] = json.loads(tokenizer_config_json) if tokenizer_config_json else {}
+        except ValueError as exc:
+            raise CheckpointError(f"tokenizer_config.json next to {source} is not valid JSON: {exc}") from exc
         self.chat_template: str | None = self.config.get("chat_template")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.special_tokens = sorted(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)

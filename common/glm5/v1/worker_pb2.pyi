@@ -152,3 +152,17 @@ class DetokenizeResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class GetTokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerFiles(_message.Message):
+    __slots__ = ("tokenizer_json", "tokenizer_config_json", "fingerprint")
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    tokenizer_json: bytes
+    tokenizer_config_json: str
+    fingerprint: str
+    def __init__(self, tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...

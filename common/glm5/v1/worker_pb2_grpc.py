@@ -60,6 +60,11 @@ class WorkerStub:
                 request_serializer=glm5_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=glm5_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/glm5.v1.Worker/GetTokenizer',
+                request_serializer=glm5_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=glm5_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -100,6 +105,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The tokenizer files, so a router or gateway tokenises and renders chat templates exactly like the
+        worker without mounting the checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=glm5_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
                     response_serializer=glm5_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=glm5_dot_v1_dot_worker__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=glm5_dot_v1_dot_worker__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +283,33 @@ class Worker:
             '/glm5.v1.Worker/Detokenize',
             glm5_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
             glm5_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glm5.v1.Worker/GetTokenizer',
+            glm5_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
+            glm5_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,

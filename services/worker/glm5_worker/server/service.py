@@ -146,6 +146,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         ids = self.engine.engine.tokenizer.encode(request.text, request.add_special_tokens)
         return worker_pb2.TokenizeResponse(token_ids=ids)
 
+    async def GetTokenizer(
+        self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenizerFiles:
+        tok = self.engine.engine.tokenizer
+        tokenizer_json, config_json = tok.files
+        return worker_pb2.TokenizerFiles(
+            tokenizer_json=tokenizer_json, tokenizer_config_json=config_json, fingerprint=tok.fingerprint
+        )
+
     async def Detokenize(
         self, request: worker_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DetokenizeResponse:

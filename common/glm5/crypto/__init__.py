@@ -1,0 +1,1 @@
+"""Payload encryption (SM4-GCM envelopes)."""

@@ -1,0 +1,76 @@
+"""`glm5 router`: flags -> RouterConfig -> gRPC + HTTP servers. The flag names match the operator's
+router.json (see docs/operator.md), which the router reads with --config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from glm5_router.config import BreakerConfig, RouterConfig
+from glm5_router.server.app import serve_until_signal
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d, b = RouterConfig(workers=("x:1",)), BreakerConfig()
+    p.add_argument("--worker", action="append", default=[], help="worker host:port (repeatable)")
+    p.add_argument("--worker-dns", help="host:port of a headless Service; every A record is a worker")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port)
+    p.add_argument("--http-port", type=int, default=d.http_port)
+    p.add_argument("--served-model-name", help="model name for clients (default: what the workers report)")
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--token-budget", type=int, default=d.token_budget, help="flush a batch at this many new tokens")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="... or after this wait")
+    p.add_argument("--short-max-prompt-tokens", type=int, default=d.short_max_prompt_tokens)
+    p.add_argument("--long-min-prompt-tokens", type=int, default=d.long_min_prompt_tokens)
+    p.add_argument("--long-pause-kv-usage", type=float, default=d.long_pause_kv_usage)
+    p.add_argument("--max-queued", type=int, default=d.max_queued)
+    p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds a request may wait")
+    p.add_argument("--redis-url", help="redis:// URL of a shared queue (several router replicas)")
+    p.add_argument("--redis-url-env", help="read the Redis URL from this environment variable")
+    p.add_argument("--affinity-load-factor", type=float, default=d.affinity_load_factor)
+    p.add_argument("--max-retries", type=int, default=d.max_retries)
+    p.add_argument("--retry-backoff-ms", type=float, default=d.retry_backoff_ms)
+    p.add_argument("--stats-interval", type=float, default=d.stats_interval_s)
+    p.add_argument("--discovery-interval", type=float, default=d.discovery_interval_s)
+    p.add_argument("--breaker-error-rate", type=float, default=b.error_rate)
+    p.add_argument("--breaker-window-seconds", type=float, default=b.window_s)
+    p.add_argument("--breaker-min-calls", type=int, default=b.min_calls)
+    p.add_argument("--breaker-kv-fragmentation", type=float, default=b.kv_fragmentation)
+    p.add_argument("--breaker-entropy-drift", type=float, default=b.entropy_drift)
+    p.add_argument("--breaker-token-jitter-ms", type=float, default=b.token_jitter_ms)
+    p.add_argument("--breaker-sustained-seconds", type=float, default=b.sustained_s)
+    p.add_argument("--breaker-open-seconds", type=float, default=b.open_s)
+    p.add_argument("--breaker-half-open-share", type=float, default=b.half_open_share)
+    p.add_argument("--sm4-key-dir", help="directory of SM4 keys (one file per key id), e.g. a mounted Secret")
+    p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
+    p.add_argument("--shutdown-grace", type=float, default=10.0)
+
+
+def config_from_args(a: argparse.Namespace) -> RouterConfig:
+    redis_url = a.redis_url or (os.environ.get(a.redis_url_env) if a.redis_url_env else None)
+    breaker = BreakerConfig(
+        error_rate=a.breaker_error_rate, window_s=a.breaker_window_seconds, min_calls=a.breaker_min_calls,
+        kv_fragmentation=a.breaker_kv_fragmentation, entropy_drift=a.breaker_entropy_drift,
+        token_jitter_ms=a.breaker_token_jitter_ms, sustained_s=a.breaker_sustained_seconds,
+        open_s=a.breaker_open_seconds, max_open_s=max(300.0, a.breaker_open_seconds),
+        half_open_share=a.breaker_half_open_share,
+    )  # fmt: skip
+    return RouterConfig(
+        workers=tuple(a.worker), worker_dns=a.worker_dns, host=a.host, grpc_port=a.grpc_port,
+        http_port=a.http_port, served_model_name=a.served_model_name,
+        default_max_new_tokens=a.default_max_new_tokens, token_budget=a.token_budget, max_wait_ms=a.max_wait_ms,
+        short_max_prompt_tokens=a.short_max_prompt_tokens, long_min_prompt_tokens=a.long_min_prompt_tokens,
+        long_pause_kv_usage=a.long_pause_kv_usage, max_queued=a.max_queued, queue_timeout_s=a.queue_timeout,
+        redis_url=redis_url, affinity_load_factor=a.affinity_load_factor, max_retries=a.max_retries,
+        retry_backoff_ms=a.retry_backoff_ms, stats_interval_s=a.stats_interval,
+        discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,
+        thinking_policy=a.thinking_policy,
+    )  # fmt: skip
+
+
+def run(a: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve_until_signal(config_from_args(a), a.shutdown_grace))

@@ -1,0 +1,89 @@
+"""RouterConfig: every router setting, validated once at start-up. Defaults are the source material's
+(docs/router.md); the flag names are the contract with the operator's router.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from glm5.errors import ConfigError
+
+ThinkingPolicy = Literal["off", "light", "deep", "auto"]
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    error_rate: float = 0.5  # open when this share of recent calls failed ...
+    window_s: float = 30.0  # ... within this sliding window ...
+    min_calls: int = 10  # ... and there were at least this many calls
+    kv_fragmentation: float = 0.65
+    entropy_drift: float = 0.12
+    token_jitter_ms: float = 150.0
+    sustained_s: float = 30.0  # a signal must stay over its threshold this long
+    open_s: float = 10.0  # first open period; doubles on every failed probe ...
+    max_open_s: float = 300.0  # ... up to this
+    half_open_share: float = 0.05  # share of traffic admitted as probes
+    half_open_successes: int = 5  # probes that must succeed to close
+
+    def __post_init__(self) -> None:
+        if not 0 < self.error_rate <= 1 or not 0 < self.half_open_share <= 1:
+            raise ConfigError("breaker error rate and half-open share must be in (0, 1]")
+        if self.min_calls < 1 or self.half_open_successes < 1:
+            raise ConfigError("breaker min calls and half-open successes must be >= 1")
+        if min(self.window_s, self.sustained_s, self.open_s) < 0 or self.max_open_s < self.open_s:
+            raise ConfigError("breaker periods must be >= 0 and max open >= open")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    workers: tuple[str, ...] = ()  # static host:port list
+    worker_dns: str | None = None  # host:port of a headless Service: one worker per A record
+    host: str = "0.0.0.0"
+    grpc_port: int = 50050
+    http_port: int = 8000
+    served_model_name: str | None = None  # default: what the workers report
+    default_max_new_tokens: int = 256
+    # batching: flush a worker's batch at this many max_new_tokens, or after max_wait_ms, or when idle
+    token_budget: int = 8192
+    max_wait_ms: float = 5.0
+    # queues
+    short_max_prompt_tokens: int = 2048
+    long_min_prompt_tokens: int = 32768
+    long_pause_kv_usage: float = 0.85
+    max_queued: int = 10000
+    queue_timeout_s: float = 600.0  # default deadline for a queued request
+    redis_url: str | None = None
+    # routing
+    affinity_load_factor: float = 1.25  # no worker above ceil(c * mean load) for affine requests
+    max_retries: int = 2  # retries of a request that has not streamed a token yet
+    retry_backoff_ms: float = 50.0  # first backoff; doubles, with full jitter
+    stats_interval_s: float = 1.0  # worker stats/health poll
+    discovery_interval_s: float = 5.0
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # payloads and output
+    sm4_key_dir: str | None = None
+    thinking_policy: ThinkingPolicy = "auto"
+    light_thinking_budget: int = 256
+    reasoning_cache_entries: int = 500  # per session; the oldest 20% go when full
+
+    def __post_init__(self) -> None:
+        if not self.workers and not self.worker_dns:
+            raise ConfigError("the router needs workers: --worker host:port (repeatable) or --worker-dns host:port")
+        for w in (*self.workers, *([self.worker_dns] if self.worker_dns else [])):
+            host, _, port = w.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"worker address {w!r} must be host:port")
+        if self.token_budget < 1 or self.max_wait_ms < 0:
+            raise ConfigError("--token-budget must be >= 1 and --max-wait-ms >= 0")
+        if not 1 <= self.short_max_prompt_tokens <= self.long_min_prompt_tokens:
+            raise ConfigError("--short-max-prompt-tokens must be >= 1 and <= --long-min-prompt-tokens")
+        if not 0 < self.long_pause_kv_usage <= 1:
+            raise ConfigError("--long-pause-kv-usage must be in (0, 1]")
+        if self.max_queued < 1 or self.queue_timeout_s <= 0 or self.default_max_new_tokens < 1:
+            raise ConfigError("--max-queued, --queue-timeout and --default-max-new-tokens must be positive")
+        if self.affinity_load_factor < 1 or self.max_retries < 0 or self.retry_backoff_ms < 0:
+            raise ConfigError("--affinity-load-factor must be >= 1; retries and backoff >= 0")
+        if self.thinking_policy not in ("off", "light", "deep", "auto"):
+            raise ConfigError(f"--thinking-policy must be off, light, deep or auto, not {self.thinking_policy!r}")
+        if self.reasoning_cache_entries < 1 or self.light_thinking_budget < 1:
+            raise ConfigError("--reasoning-cache-entries and --light-thinking-budget must be >= 1")

@@ -1,0 +1,259 @@
+"""What both front doors (gRPC and HTTP) share: turn a request into a Job (chat template, thinking mode,
+tokenisation, lane, affinity, validation) and turn the worker's stream into reasoning / content / tool-call
+deltas."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from glm5.errors import InvalidRequestError, UnavailableError
+from glm5.tokenizer.tokenizer import Tokenizer
+from glm5.v1 import worker_pb2
+
+from glm5_router.config import RouterConfig
+from glm5_router.parsing.reasoning import THINK_OPEN, ReasoningParser
+from glm5_router.parsing.tools import ToolCall, ToolCallError, ToolCallParser, ToolRegistry
+from glm5_router.scheduling.dispatcher import Dispatcher, validate_job_fits
+from glm5_router.scheduling.job import Job, Lane
+from glm5_router.workers.pool import WorkerPool
+
+Thinking = Literal["off", "light", "deep"]
+STRUCTURAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+              "</arg_value>"}  # fmt: skip
+AFFINITY_PREFIX_TOKENS = 64
+_CODE = re.compile(r"```|(^|\n)( {4}|\t)\S")
+
+
+@dataclass
+class GenerateInput:
+    base: worker_pb2.GenerateRequest  # sampling, logprob options; prompt fields are replaced
+    request_id: str = ""
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    thinking: Thinking | None = None
+    session_id: str | None = None
+    lane: Lane | None = None
+    timeout_s: float | None = None
+
+
+@dataclass
+class Delta:
+    response: worker_pb2.GenerateResponse
+    reasoning: str = ""
+    content: str = ""
+    tool_results: list[ToolCall | ToolCallError] = field(default_factory=list)
+
+
+class ReasoningStore:
+    """Preserved reasoning: per session, assistant answer -> the reasoning that produced it, so a later turn
+    can send the reasoning back to the model without the client keeping it. LRU per session, bounded; when
+    full the oldest 20% go."""
+
+    def __init__(self, capacity: int, max_sessions: int = 10000) -> None:
+        self.capacity = capacity
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, OrderedDict[str, str]] = OrderedDict()
+
+    @staticmethod
+    def _key(content: str) -> str:
+        return hashlib.sha256(content.strip().encode()).hexdigest()[:32]
+
+    def put(self, session: str, content: str, reasoning: str) -> None:
+        entries = self._sessions.setdefault(session, OrderedDict())
+        self._sessions.move_to_end(session)
+        if len(entries) >= self.capacity:
+            for _ in range(max(1, self.capacity // 5)):
+                entries.popitem(last=False)
+        entries[self._key(content)] = reasoning
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def get(self, session: str, content: str) -> str | None:
+        entries = self._sessions.get(session)
+        if entries is None:
+            return None
+        key = self._key(content)
+        if key in entries:
+            entries.move_to_end(key)
+            return entries[key]
+        return None
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self._sessions.values())
+
+
+class Frontend:
+    def __init__(self, config: RouterConfig, pool: WorkerPool, dispatcher: Dispatcher) -> None:
+        self.config = config
+        self.pool = pool
+        self.dispatcher = dispatcher
+        self.reasoning = ReasoningStore(config.reasoning_cache_entries)
+        self._strip: re.Pattern[str] | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.pool.tokenizer is None:
+            raise UnavailableError("no worker has answered yet; retry in a moment")
+        return self.pool.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        info = self.pool.model_info
+        return self.config.served_model_name or (info.served_model_name if info else "") or "glm5"
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.pool.model_info.max_model_len) if self.pool.model_info else 0
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.model_name:
+            raise InvalidRequestError("model", f"unknown model {model!r}; this router serves {self.model_name!r}")
+
+    def resolve_thinking(self, requested: Thinking | None, text: str) -> Thinking:
+        if requested is not None:
+            return requested
+        policy = self.config.thinking_policy
+        if policy != "auto":
+            return policy
+        # Auto: code in the prompt turns reasoning on; plain conversation goes straight to the answer.
+        return "deep" if _CODE.search(text) else "off"
+
+    # -- request -> job -------------------------------------------------------------------------------
+
+    def build(self, inp: GenerateInput) -> tuple[Job, bool, ToolRegistry | None]:
+        """The job, whether the output starts inside <think>, and the tool registry of a chat request."""
+        tok = self.tokenizer
+        registry: ToolRegistry | None = None
+        thinking: Thinking = "off"
+        if inp.messages is not None:
+            try:
+                registry = ToolRegistry.from_openai(inp.tools)
+            except ValueError as exc:
+                raise InvalidRequestError("tools", str(exc)) from exc
+            messages = self._messages(inp.messages, inp.session_id)
+            last_user = next((str(m.get("content") or "") for m in reversed(messages) if m["role"] == "user"), "")
+            thinking = self.resolve_thinking(inp.thinking, last_user)
+            text = tok.apply_chat_template(
+                messages, tools=inp.tools or None, enable_thinking=thinking != "off",
+                thinking_budget=self.config.light_thinking_budget if thinking == "light" else None,
+            )  # fmt: skip
+            ids = tok.encode(text)
+        elif inp.prompt_token_ids:
+            bad = next((t for t in inp.prompt_token_ids if not 0 <= t < tok.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    "prompt_token_ids", f"{bad} is outside the vocabulary (0..{tok.vocab_size - 1})"
+                )
+            ids, text = list(inp.prompt_token_ids), ""
+        elif inp.prompt:
+            text = inp.prompt
+            ids = tok.encode(text, add_special_tokens=inp.base.add_special_tokens)
+        else:
+            raise InvalidRequestError("prompt", "give a prompt, prompt_token_ids or messages")
+        if not ids:
+            raise InvalidRequestError("prompt", "the prompt is empty after tokenisation")
+
+        s = inp.base.sampling
+        max_new = s.max_new_tokens if s.HasField("max_new_tokens") else self.config.default_max_new_tokens
+        if max_new < 1:
+            raise InvalidRequestError("max_new_tokens", f"must be >= 1, got {max_new}")
+        request = worker_pb2.GenerateRequest()
+        request.CopyFrom(inp.base)
+        request.ClearField("prompt")
+        request.prompt_token_ids[:] = ids
+        request.sampling.max_new_tokens = max_new
+        request.skip_special_tokens = False  # the router needs <think> / <tool_call> to split the output
+        request.request_id = inp.request_id or request.request_id or f"req-{uuid.uuid4().hex}"
+        lane = inp.lane or self._lane(len(ids))
+        affinity = inp.session_id or (
+            hashlib.sha256(str(ids[:AFFINITY_PREFIX_TOKENS]).encode()).hexdigest()
+            if len(ids) >= AFFINITY_PREFIX_TOKENS else None
+        )  # fmt: skip
+        timeout = inp.timeout_s if inp.timeout_s is not None else self.config.queue_timeout_s
+        job = Job(request.request_id, request, len(ids), max_new, lane, time.monotonic() + timeout, affinity)
+        if self.max_model_len:
+            validate_job_fits(job, self.max_model_len)
+        in_reasoning = text.rstrip().endswith(THINK_OPEN)
+        return job, in_reasoning, registry
+
+    def _lane(self, prompt_tokens: int) -> Lane:
+        if prompt_tokens < self.config.short_max_prompt_tokens:
+            return "short"
+        return "long" if prompt_tokens >= self.config.long_min_prompt_tokens else "medium"
+
+    def _messages(self, messages: list[dict[str, Any]], session: str | None) -> list[dict[str, Any]]:
+        if not messages:
+            raise InvalidRequestError("messages", "must not be empty")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise InvalidRequestError(f"messages[{i}].role", "must be system, user, assistant or tool")
+            m = dict(m)
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                m["content"] = "".join(
+                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+                )
+            elif content is not None and not isinstance(content, str):
+                raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
+            if m["role"] == "assistant":
+                m["tool_calls"] = [_decode_call(i, tc) for tc in m.get("tool_calls") or []]
+                if not m.get("reasoning_content") and session and m.get("content"):
+                    m["reasoning_content"] = self.reasoning.get(session, m["content"]) or ""
+            out.append(m)
+        return out
+
+    # -- worker stream -> deltas ----------------------------------------------------------------------
+
+    async def stream(self, job: Job, in_reasoning: bool, registry: ToolRegistry | None,
+                     session: str | None = None) -> AsyncIterator[Delta]:  # fmt: skip
+        reasoning_parser = ReasoningParser(in_reasoning)
+        tools = ToolCallParser(registry) if registry is not None and registry.tools else None
+        reasoning_all, content_all = [], []
+        async for resp in self.dispatcher.submit(job):
+            split = reasoning_parser.feed(resp.text)
+            final = resp.finish_reason != 0
+            tail = reasoning_parser.finish() if final else None
+            reasoning = split.reasoning + (tail.reasoning if tail else "")
+            content = split.content + (tail.content if tail else "")
+            results: list[ToolCall | ToolCallError] = []
+            if tools is not None:
+                content, results = tools.feed(content)
+                if final:
+                    more, late = tools.finish()
+                    content, results = content + more, results + late
+            reasoning, content = self._clean(reasoning), self._clean(content)
+            reasoning_all.append(reasoning)
+            content_all.append(content)
+            yield Delta(resp, reasoning, content, results)
+        if session and reasoning_all and "".join(content_all).strip():
+            self.reasoning.put(session, "".join(content_all), "".join(reasoning_all))
+
+    def _clean(self, text: str) -> str:
+        if self._strip is None:
+            specials = [t for t in self.tokenizer.special_tokens if t not in STRUCTURAL]
+            self._strip = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) or "(?!)")
+        return self._strip.sub("", text)
+
+
+def _decode_call(i: int, tc: Any) -> dict[str, Any]:
+    """History tool calls carry their arguments as a JSON string (OpenAI); the template wants a mapping."""
+    try:
+        fn = dict(tc["function"])
+        args = fn.get("arguments") or {}
+        fn["arguments"] = json.loads(args) if isinstance(args, str) else dict(args)
+        return {**tc, "function": fn}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"messages[{i}].tool_calls", f"expected {{'function': {{'name', 'arguments'}}}}: {exc}"
+        ) from exc

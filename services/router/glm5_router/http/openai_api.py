@@ -1,0 +1,383 @@
+"""OpenAI-compatible HTTP: GET /v1/models, POST /v1/completions and /v1/chat/completions (`stream: true` as
+server-sent events, `reasoning_content` deltas, `tools` / `tool_calls`, usage), /health.
+
+Extensions: `top_k`, `repetition_penalty`; thinking per request through `thinking: {"type": "enabled" |
+"disabled"}` (GLM API), `chat_template_kwargs: {"enable_thinking": bool}` (vLLM) or `reasoning_effort`
+("low" -> light, "medium"/"high" -> deep); a session id in the `X-Session-Id` header (or `user`) for
+affinity and preserved reasoning. A tool call the registry rejects is returned in
+`message.tool_call_errors` (never in `tool_calls`) and the finish reason stays "stop".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from glm5.errors import CapacityError, DeadlineError, InvalidRequestError, UnavailableError
+from glm5.v1 import common_pb2, worker_pb2
+
+from glm5_router.frontend import Delta, Frontend, GenerateInput, Thinking
+from glm5_router.parsing.tools import ToolCall, ToolCallError
+from glm5_router.scheduling.dispatcher import WorkerStatusError
+
+log = logging.getLogger(__name__)
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+          common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
+MAX_BODY = 32 << 20
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
+    """Typed errors -> OpenAI-style errors with the HTTP status a client can act on."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        if exc.field == "model":
+            return ApiError(404, str(exc), "invalid_request_error", "model", "model_not_found")
+        return ApiError(400, str(exc), "invalid_request_error", exc.field)
+    if isinstance(exc, WorkerStatusError):
+        return ApiError(400, exc.details, "invalid_request_error")
+    if isinstance(exc, CapacityError):
+        return ApiError(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, DeadlineError):
+        return ApiError(408, str(exc), "timeout_error")
+    if isinstance(exc, UnavailableError):
+        return ApiError(503, str(exc), "service_unavailable", headers={"Retry-After": str(retry_after_s)})
+    log.exception("unexpected error", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status == 413:
+            err = ApiError(413, f"request body larger than {MAX_BODY >> 20} MiB", "invalid_request_error")
+            return web.json_response(err.body(), status=413)
+        raise
+    except Exception as exc:
+        err = to_api_error(exc)
+        return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"{key}: expected {types}, got a boolean", "invalid_request_error", key)
+    if not isinstance(value, types):
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise ApiError(400, f"{key}: expected {names}, got {type(value).__name__}", "invalid_request_error", key)
+    return value
+
+
+def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
+    req = worker_pb2.GenerateRequest()
+    s = req.sampling
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise ApiError(400, "n: only 1 completion per request is supported", "invalid_request_error", "n")
+    for key, field in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("repetition_penalty", "repetition_penalty"),
+    ):
+        value = _get(body, key, (int, float))
+        if value is not None:
+            setattr(s, field, float(value))
+    if (top_k := _get(body, "top_k", int)) is not None:
+        s.top_k = top_k
+    if (seed := _get(body, "seed", int)) is not None:
+        if seed < 0:
+            raise ApiError(400, "seed: must be >= 0", "invalid_request_error", "seed")
+        s.seed = seed
+    max_tokens = _get(body, "max_completion_tokens", int, _get(body, "max_tokens", int))
+    if max_tokens is not None:
+        s.max_new_tokens = max_tokens
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        s.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        s.stop.extend(stop)
+    elif stop is not None:
+        raise ApiError(400, "stop: expected a string or a list of strings", "invalid_request_error", "stop")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _get(body, key, (int, float), 0):
+            raise ApiError(400, f"{key}: not supported (use repetition_penalty)", "invalid_request_error", key)
+    return req
+
+
+def _thinking(body: dict[str, Any]) -> Thinking | None:
+    t = body.get("thinking")
+    if isinstance(t, dict) and t.get("type") in ("enabled", "disabled"):
+        return "deep" if t["type"] == "enabled" else "off"
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and isinstance(kwargs.get("enable_thinking"), bool):
+        return "deep" if kwargs["enable_thinking"] else "off"
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("low", "medium", "high", "none"):
+            raise ApiError(
+                400, "reasoning_effort: low, medium, high or none", "invalid_request_error", "reasoning_effort"
+            )
+        return {"none": "off", "low": "light"}.get(effort, "deep")  # type: ignore[return-value]
+    if t is not None:
+        raise ApiError(400, "thinking: expected {'type': 'enabled' | 'disabled'}", "invalid_request_error", "thinking")
+    return None
+
+
+def _usage(resp: worker_pb2.GenerateResponse) -> dict[str, Any]:
+    u = resp.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+
+
+def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    out: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+class OpenAIServer:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[errors_middleware])
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        pool = self.frontend.pool
+        routable = pool.routable()
+        workers = [
+            {"address": w.address, "healthy": w.healthy, "breaker": w.breaker.current().value,
+             "reason": w.breaker.reason, "in_flight": w.in_flight, "kv_usage": w.kv_usage,
+             "excluded": w.excluded or None}
+            for w in pool.workers.values()
+        ]  # fmt: skip
+        body = {"status": "ok" if routable else "unavailable", "workers": workers,
+                "queued": self.frontend.dispatcher.queues.depth()}  # fmt: skip
+        return web.json_response(body, status=200 if routable else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        f = self.frontend
+        self._ready()
+        data = [
+            {"id": f.model_name, "object": "model", "created": 0, "owned_by": "glm5", "max_model_len": f.max_model_len}
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    def _ready(self) -> None:
+        if self.frontend.pool.tokenizer is None:
+            raise UnavailableError("no worker has answered yet; retry in a moment")
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object", "invalid_request_error")
+        self._ready()
+        self.frontend.check_model(_get(body, "model", str))
+        return body
+
+    def _input(self, request: web.Request, body: dict[str, Any], base: worker_pb2.GenerateRequest) -> GenerateInput:
+        session = request.headers.get("X-Session-Id") or _get(body, "user", str)
+        rid = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex}"
+        return GenerateInput(base=base, request_id=rid, session_id=session, thinking=_thinking(body))
+
+    # -- /v1/completions ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        base = _sampling(body)
+        logprobs = _get(body, "logprobs", int)
+        if logprobs is not None:
+            base.return_logprobs, base.top_logprobs = True, logprobs
+        inp = self._input(request, body, base)
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            inp.prompt = prompt
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            inp.prompt_token_ids = prompt
+        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            inp.prompt = prompt[0]
+        else:
+            raise ApiError(400, "prompt: a string or a list of token ids (one prompt per request)",
+                           "invalid_request_error", "prompt")  # fmt: skip
+        job, in_reasoning, _ = self.frontend.build(inp)
+        stream = self.frontend.stream(job, in_reasoning, None, inp.session_id)
+        cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
+
+        def chunk(text: str, finish: str | None, resp: worker_pb2.GenerateResponse | None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            if resp is not None and base.return_logprobs:
+                choice["logprobs"] = {"tokens": [str(lp.token_id) for lp in resp.logprobs],
+                                      "token_logprobs": [lp.logprob for lp in resp.logprobs]}  # fmt: skip
+            return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+
+        if _get(body, "stream", bool, False):
+            stream = await _primed(stream)
+            sse = await self._start_sse(request)
+            usage = None
+            try:
+                async for d in stream:
+                    finish = FINISH.get(d.response.finish_reason)
+                    text = (d.reasoning and f"<think>{d.reasoning}</think>" + d.content) or d.content
+                    if text or finish:
+                        await _send(sse, chunk(text, finish, d.response))
+                    if finish:
+                        usage = _usage(d.response)
+                if usage and (body.get("stream_options") or {}).get("include_usage"):
+                    await _send(sse, {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                      "choices": [], "usage": usage})  # fmt: skip
+            except Exception as exc:
+                await _send(sse, to_api_error(exc).body())
+            await sse.write(b"data: [DONE]\n\n")
+            return sse
+        parts, last = [], None
+        async for d in stream:
+            parts.append(d.content)
+            last = d.response
+        assert last is not None
+        out = chunk("".join(parts), FINISH.get(last.finish_reason), None)
+        out["usage"] = _usage(last)
+        return web.json_response(out)
+
+    # -- /v1/chat/completions -------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        base = _sampling(body)
+        if _get(body, "logprobs", bool, False):
+            base.return_logprobs = True
+            base.top_logprobs = _get(body, "top_logprobs", int, 0)
+        inp = self._input(request, body, base)
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise ApiError(400, "messages: required, a list of messages", "invalid_request_error", "messages")
+        inp.messages = messages
+        tools = _get(body, "tools", list)
+        choice_mode = body.get("tool_choice", "auto")
+        if choice_mode not in ("auto", "none"):
+            raise ApiError(
+                400, "tool_choice: only 'auto' and 'none' are supported", "invalid_request_error", "tool_choice"
+            )
+        inp.tools = tools if choice_mode == "auto" else None
+        job, in_reasoning, registry = self.frontend.build(inp)
+        stream = self.frontend.stream(job, in_reasoning, registry, inp.session_id)
+        cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
+        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+
+        if _get(body, "stream", bool, False):
+            stream = await _primed(stream)
+            sse = await self._start_sse(request)
+            await _send(sse, {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "finish_reason": None}]})  # fmt: skip
+            n_calls, usage = 0, None
+            try:
+                async for d in stream:
+                    delta: dict[str, Any] = {}
+                    if d.reasoning:
+                        delta["reasoning_content"] = d.reasoning
+                    if d.content:
+                        delta["content"] = d.content
+                    calls = [r for r in d.tool_results if isinstance(r, ToolCall)]
+                    errors = [r for r in d.tool_results if isinstance(r, ToolCallError)]
+                    if calls:
+                        delta["tool_calls"] = [_tool_call_json(c, n_calls + i) for i, c in enumerate(calls)]
+                        n_calls += len(calls)
+                    if errors:
+                        delta["tool_call_errors"] = [{"name": e.name, "error": e.error} for e in errors]
+                    finish = FINISH.get(d.response.finish_reason)
+                    if finish == "stop" and n_calls:
+                        finish = "tool_calls"
+                    if delta or finish:
+                        await _send(sse, {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                    if finish:
+                        usage = _usage(d.response)
+                if usage and (body.get("stream_options") or {}).get("include_usage"):
+                    await _send(sse, {**head, "choices": [], "usage": usage})
+            except Exception as exc:
+                await _send(sse, to_api_error(exc).body())
+            await sse.write(b"data: [DONE]\n\n")
+            return sse
+
+        reasoning, content, calls, errors, last = [], [], [], [], None
+        async for d in stream:
+            reasoning.append(d.reasoning)
+            content.append(d.content)
+            calls += [r for r in d.tool_results if isinstance(r, ToolCall)]
+            errors += [r for r in d.tool_results if isinstance(r, ToolCallError)]
+            last = d.response
+        assert last is not None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else ""),
+                                   "reasoning_content": "".join(reasoning) or None}  # fmt: skip
+        if calls:
+            message["tool_calls"] = [_tool_call_json(c) for c in calls]
+        if errors:
+            message["tool_call_errors"] = [{"name": e.name, "error": e.error} for e in errors]
+        finish = FINISH.get(last.finish_reason)
+        if finish == "stop" and calls:
+            finish = "tool_calls"
+        return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                                  "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                                  "usage": _usage(last)})  # fmt: skip
+
+    async def _start_sse(self, request: web.Request) -> web.StreamResponse:
+        sse = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await sse.prepare(request)
+        return sse
+
+
+async def _send(sse: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await sse.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _primed(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """Wait for the first delta before the SSE headers go out, so queue-full, deadline and unavailable
+    errors still get their HTTP status (429 / 408 / 503) instead of a 200 with an error event."""
+    it = aiter(stream)
+    try:
+        first = await anext(it)
+    except StopAsyncIteration:
+        first = None
+
+    async def chained() -> AsyncIterator[Delta]:
+        if first is not None:
+            yield first
+        async for d in it:
+            yield d
+
+    return chained()
+
+
+__all__ = ["OpenAIServer", "to_api_error"]

@@ -1,0 +1,1 @@
+"""Streaming parsers for model output: reasoning (<think>) and tool calls (<tool_call>)."""

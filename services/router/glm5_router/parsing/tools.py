@@ -1,0 +1,197 @@
+"""GLM-4.7 / GLM-5 tool calls: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`.
+
+A registry built from the request's `tools` keys every tool by a signature fingerprint (name + parameter JSON
+schema). A call to an unknown tool, with arguments that do not validate against the schema, or (for
+shell-type tools) with a command the shell policy forbids, comes back as an error, never as a valid call.
+Argument values are kept verbatim when the schema says string; other values are JSON-decoded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+
+from glm5_router.parsing.reasoning import _partial_suffix
+
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallError:
+    name: str
+    error: str
+    raw: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any]
+    signature: str
+
+
+def signature(name: str, parameters: dict[str, Any]) -> str:
+    canonical = json.dumps(parameters, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"{name}\0{canonical}".encode()).hexdigest()[:16]
+
+
+class ShellPolicy:
+    """Rejects dangerous shell commands in shell-type tool calls. Patterns are configurable; these defaults
+    cover privilege and ownership changes, destructive deletes of system paths, download-and-execute and
+    writes to /etc."""
+
+    DEFAULT_PATTERNS = (
+        r"\bchmod\s+(-\w+\s+)*([ugoa]*\+[rwx]*s|[0-7]?[4-7][0-7]{3}\b)",  # setuid/setgid bits
+        r"\bchown\b",
+        r"\bchgrp\b",
+        r"\brm\s+(-\w*\s+)*-\w*[rR]\w*\s+(-\w+\s+)*/(\s|\*|$|(etc|usr|bin|sbin|boot|lib\w*|var|sys|proc|dev|root|home)\b)",
+        r"\b(curl|wget|fetch)\b[^|;&]*\|\s*(sudo\s+)?(ba|z|da|k|c)?sh\b",
+        r"(>>?|\btee(\s+-a)?)\s*/etc/",
+        r"\bsudo\b",
+        r"\bmkfs(\.\w+)?\b",
+        r"\bdd\b[^;&|]*\bof=/dev/",
+        r":\(\)\s*\{\s*:\|:&\s*\};:",  # fork bomb
+    )
+    SHELL_TOOLS = ("bash", "shell", "sh", "terminal", "run_shell", "run_command", "execute_command", "exec")
+
+    def __init__(self, patterns: tuple[str, ...] = DEFAULT_PATTERNS, shell_tools: tuple[str, ...] = SHELL_TOOLS):
+        self.patterns = [re.compile(p) for p in patterns]
+        self.shell_tools = set(shell_tools)
+
+    def violation(self, tool: str, arguments: dict[str, Any]) -> str | None:
+        command = arguments.get("command", arguments.get("cmd"))
+        if tool not in self.shell_tools or not isinstance(command, str):
+            return None
+        for pattern in self.patterns:
+            if pattern.search(command):
+                return f"shell policy forbids this command (matches {pattern.pattern!r})"
+        return None
+
+
+@dataclass
+class ToolRegistry:
+    tools: dict[str, Tool] = field(default_factory=dict)  # by name; the signature is checked on register
+    policy: ShellPolicy = field(default_factory=ShellPolicy)
+
+    @classmethod
+    def from_openai(cls, tools: list[dict[str, Any]] | None, policy: ShellPolicy | None = None) -> ToolRegistry:
+        """From the OpenAI `tools` array; raises ValueError naming the bad entry."""
+        reg = cls(policy=policy or ShellPolicy())
+        for i, entry in enumerate(tools or []):
+            if (
+                not isinstance(entry, dict)
+                or entry.get("type") != "function"
+                or not isinstance(entry.get("function"), dict)
+            ):
+                raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{...}}}}")
+            fn = entry["function"]
+            name = fn.get("name")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise ValueError(f"tools[{i}].function.name: 1-64 letters, digits, '_', '.' or '-'")
+            params = fn.get("parameters") or {"type": "object", "properties": {}}
+            try:
+                jsonschema.validators.validator_for(params).check_schema(params)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"tools[{i}].function.parameters: not a valid JSON schema: {exc.message}") from exc
+            if name in reg.tools:
+                raise ValueError(f"tools[{i}].function.name: {name!r} is declared twice")
+            reg.tools[name] = Tool(name, params, signature(name, params))
+        return reg
+
+    def resolve(self, raw: str) -> ToolCall | ToolCallError:
+        """One `<tool_call>` body (without the tags) -> a validated call or an error."""
+        name, _, rest = raw.partition("<arg_key>")
+        name = name.strip()
+        rest = "<arg_key>" + rest if rest else ""
+        tool = self.tools.get(name)
+        if tool is None:
+            return ToolCallError(name, f"unknown tool {name!r}", raw)
+        props: dict[str, Any] = tool.parameters.get("properties", {})
+        args: dict[str, Any] = {}
+        for key, value in _ARG.findall(rest):
+            key = key.strip()
+            if props.get(key, {}).get("type") == "string":
+                args[key] = value  # verbatim
+            else:
+                try:
+                    args[key] = json.loads(value)
+                except ValueError:
+                    args[key] = value
+        leftover = _ARG.sub("", rest).strip()
+        if leftover:
+            return ToolCallError(name, f"malformed arguments: {leftover[:80]!r}", raw)
+        try:
+            jsonschema.validate(args, tool.parameters)
+        except jsonschema.ValidationError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path) or "arguments"
+            return ToolCallError(name, f"{where}: {exc.message}", raw)
+        problem = self.policy.violation(name, args)
+        if problem:
+            return ToolCallError(name, problem, raw)
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args)
+
+
+class ToolCallParser:
+    """Streams content through, holding back <tool_call> blocks and resolving each one when it closes."""
+
+    def __init__(self, registry: ToolRegistry) -> None:
+        self.registry = registry
+        self._buf = ""
+        self._in_call = False
+        self.calls: list[ToolCall] = []
+        self.errors: list[ToolCallError] = []
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall | ToolCallError]]:
+        """Content that is plain text, and the calls completed by this delta."""
+        text = self._buf + delta
+        self._buf = ""
+        out: list[str] = []
+        done: list[ToolCall | ToolCallError] = []
+        while text:
+            if self._in_call:
+                at = text.find(CALL_CLOSE)
+                if at < 0:
+                    self._buf = text
+                    break
+                result = self.registry.resolve(text[:at])
+                (self.calls if isinstance(result, ToolCall) else self.errors).append(result)  # type: ignore[arg-type]
+                done.append(result)
+                text = text[at + len(CALL_CLOSE) :]
+                self._in_call = False
+                continue
+            at = text.find(CALL_OPEN)
+            if at >= 0:
+                out.append(text[:at])
+                text = text[at + len(CALL_OPEN) :]
+                self._in_call = True
+                continue
+            keep = _partial_suffix(text, CALL_OPEN)
+            out.append(text[: len(text) - keep])
+            self._buf = text[len(text) - keep :]
+            break
+        return "".join(out), done
+
+    def finish(self) -> tuple[str, list[ToolCall | ToolCallError]]:
+        """End of stream: an unclosed call is an error; a held partial tag is plain text."""
+        buf, self._buf = self._buf, ""
+        if self._in_call:
+            self._in_call = False
+            err = ToolCallError(buf.partition("<arg_key>")[0].strip(), "the tool call was not closed", buf)
+            self.errors.append(err)
+            return "", [err]
+        return buf, []

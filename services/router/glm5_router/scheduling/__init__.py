@@ -1,0 +1,1 @@
+"""Queues, batching and dispatch of requests to workers."""

@@ -1,0 +1,249 @@
+"""Dispatch: take jobs off the queues, pick a worker, batch per worker, stream, retry.
+
+Batching: a worker's pending batch is sent when the sum of its jobs' max_new_tokens reaches the token budget,
+when its oldest job has waited --max-wait-ms, or at once when the worker is idle (nothing in flight). A job
+whose stream fails before any token reached the client is retried on another worker (bounded, jittered
+exponential backoff); a stream that fails after tokens were sent ends with UNAVAILABLE, never a duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from glm5.errors import DeadlineError, InvalidRequestError, UnavailableError
+from glm5.v1 import worker_pb2
+
+from glm5_router.config import RouterConfig
+from glm5_router.scheduling.job import Job
+from glm5_router.scheduling.queues import InProcessQueues
+from glm5_router.workers.picker import Picker
+from glm5_router.workers.pool import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+# Worker answers that are the client's fault: passed through, not a worker failure, not retried.
+CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+class WorkerStatusError(Exception):
+    """A worker answered with a client-error status: relayed to the client as is."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class Batch:
+    jobs: list[Job] = field(default_factory=list)
+    tokens: int = 0
+    since: float = 0.0
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, pool: WorkerPool, queues: InProcessQueues) -> None:
+        self.config = config
+        self.pool = pool
+        self.queues = queues
+        self._wake = asyncio.Event()
+        self._batches: dict[str, Batch] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.picker = Picker(config.affinity_load_factor)
+        self.retries = 0
+        self.batches_sent = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    # -- the client side ------------------------------------------------------------------------------
+
+    async def submit(self, job: Job) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """Queue `job` and stream its responses; raises CapacityError, DeadlineError, UnavailableError or
+        WorkerStatusError. Leaving the iteration early cancels the job (and its worker stream)."""
+        self.queues.put(job)
+        self._wake.set()
+        try:
+            while True:
+                if job.started:
+                    item = await job.out.get()
+                else:
+                    remaining = job.deadline - time.monotonic()
+                    try:
+                        item = await asyncio.wait_for(job.out.get(), max(remaining, 0))
+                    except TimeoutError:
+                        if job.started or not job.out.empty():
+                            continue  # it started in the meantime
+                        raise DeadlineError(
+                            f"the request waited {time.monotonic() - job.arrival:.1f}s without being served "
+                            f"(deadline); the workers are busy or unavailable"
+                        ) from None
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._cancel(job)
+
+    def _cancel(self, job: Job) -> None:
+        if job.done:
+            return
+        self.queues.discard(job)
+        job.done = True
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+
+    # -- the dispatch loop ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            waiters = [asyncio.create_task(self._wake.wait()), asyncio.create_task(self.pool.changed.wait())]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED, timeout=self.config.stats_interval_s)
+            for w in waiters:
+                w.cancel()
+            self._wake.clear()
+            self.pool.changed.clear()
+            try:
+                self._dispatch()
+                self._flush_due()
+            except Exception:
+                log.exception("dispatch failed")
+
+    def _long_paused(self, workers: list[Worker]) -> bool:
+        return bool(workers) and min(w.kv_usage for w in workers) > self.config.long_pause_kv_usage
+
+    def _dispatch(self) -> None:
+        workers = self.pool.routable()
+        long_paused = self._long_paused(workers)
+        while True:
+            job = self.queues.peek(long_paused)
+            if job is None:
+                return
+            candidates = [w for w in workers if w.address not in job.failed_on] or workers
+            worker = self.picker.pick(candidates, job.affinity_key)
+            if worker is None:
+                return  # every worker refuses now: wait for a change or the next tick
+            self.queues.pop(job)
+            self._assign(worker, job)
+
+    def _assign(self, worker: Worker, job: Job) -> None:
+        worker.in_flight += 1
+        worker.outstanding_tokens += job.max_new_tokens
+        job.worker = worker.address
+        batch = self._batches.setdefault(worker.address, Batch())
+        if not batch.jobs:
+            batch.since = time.monotonic()
+        batch.jobs.append(job)
+        batch.tokens += job.max_new_tokens
+        busy = worker.in_flight > len(batch.jobs)  # something of this worker is already running
+        if batch.tokens >= self.config.token_budget or not busy or self.config.max_wait_ms == 0:
+            self._send(worker, batch)
+        else:
+            self._arm_timer(batch.since + self.config.max_wait_ms / 1000)
+
+    def _flush_due(self) -> None:
+        now = time.monotonic()
+        for address, batch in list(self._batches.items()):
+            worker = self.pool.workers.get(address)
+            if batch.jobs and worker is not None and now - batch.since >= self.config.max_wait_ms / 1000:
+                self._send(worker, batch)
+        pending = [b.since for b in self._batches.values() if b.jobs]
+        if pending:
+            self._arm_timer(min(pending) + self.config.max_wait_ms / 1000)
+
+    def _arm_timer(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(0.0, at - time.monotonic())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+
+    def _send(self, worker: Worker, batch: Batch) -> None:
+        jobs, batch.jobs, batch.tokens = batch.jobs, [], 0
+        self.batches_sent += 1
+        for job in jobs:
+            if job.done:
+                self._release(worker, job)
+                continue
+            job.task = asyncio.create_task(self._run(worker, job))
+
+    def _release(self, worker: Worker, job: Job) -> None:
+        worker.in_flight -= 1
+        worker.outstanding_tokens -= job.max_new_tokens
+        self._wake.set()
+
+    # -- one stream -----------------------------------------------------------------------------------
+
+    async def _run(self, worker: Worker, job: Job) -> None:
+        job.attempts += 1
+        ok = True
+        try:
+            call = worker.stub.Generate(job.request)
+            async for resp in call:
+                job.started = True
+                job.out.put_nowait(resp)
+            job.out.put_nowait(None)
+        except asyncio.CancelledError:
+            raise  # the client went away; the call is cancelled with the task
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code in CLIENT_CODES:
+                job.out.put_nowait(WorkerStatusError(code, details))
+            elif code == grpc.StatusCode.CANCELLED and job.done:
+                pass
+            else:
+                ok = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # busy, not sick
+                self._failed(worker, job, f"{code.name}: {details}")
+        finally:
+            self._release(worker, job)
+            if job.done and not job.started:
+                worker.breaker.forget()  # the client left before anything happened: no evidence either way
+            else:
+                worker.breaker.record(ok)
+
+    def _failed(self, worker: Worker, job: Job, why: str) -> None:
+        job.failed_on.add(worker.address)
+        if job.started:
+            job.out.put_nowait(UnavailableError(
+                f"worker {worker.address} failed mid-stream ({why}); the output so far was sent and is not "
+                f"repeated: retry the request"
+            ))  # fmt: skip
+            return
+        if job.attempts > self.config.max_retries or time.monotonic() >= job.deadline:
+            job.out.put_nowait(UnavailableError(f"no worker could serve the request after {job.attempts} attempts "
+                                                f"(last: {worker.address}: {why})"))  # fmt: skip
+            return
+        self.retries += 1
+        backoff = self.config.retry_backoff_ms / 1000 * (2 ** (job.attempts - 1))
+        delay = random.uniform(0, backoff)  # full jitter
+        log.info("retrying %s in %.0f ms after %s failed: %s", job.id, delay * 1000, worker.address, why)
+        asyncio.get_running_loop().call_later(delay, self._requeue, job)
+
+    def _requeue(self, job: Job) -> None:
+        if job.done:
+            return
+        job.affinity_key = None  # do not insist on the worker that just failed
+        self.queues.put(job, front=True)
+        self._wake.set()
+
+
+def validate_job_fits(job: Job, max_model_len: int) -> None:
+    if job.prompt_tokens + job.max_new_tokens > max_model_len:
+        raise InvalidRequestError(
+            "max_new_tokens",
+            f"prompt ({job.prompt_tokens} tokens) + max_new_tokens ({job.max_new_tokens}) exceeds the model's "
+            f"context of {max_model_len} tokens",
+        )

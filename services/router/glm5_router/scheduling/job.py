@@ -1,0 +1,38 @@
+"""One request on its way through the router."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from glm5.v1 import worker_pb2
+
+Lane = Literal["short", "medium", "long"]
+Item = worker_pb2.GenerateResponse | BaseException | None  # None ends the stream
+
+
+@dataclass(eq=False)
+class Job:
+    id: str
+    request: worker_pb2.GenerateRequest  # what the worker gets (prompt_token_ids set)
+    prompt_tokens: int
+    max_new_tokens: int
+    lane: Lane
+    deadline: float  # monotonic; the request must have started by then
+    affinity_key: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    attempts: int = 0
+    started: bool = False  # a token reached the client: never retried after this
+    worker: str = ""
+    out: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task[None] | None = None
+    done: bool = False
+    queued: bool = False
+    failed_on: set[str] = field(default_factory=set)  # workers that failed it (avoided on retry)
+
+    @property
+    def kv_cost(self) -> int:
+        """Estimated KV tokens it will hold: what orders the long queue."""
+        return self.prompt_tokens + self.max_new_tokens

@@ -1,0 +1,1 @@
+"""The router process: gRPC service, HTTP API, wiring and shutdown."""

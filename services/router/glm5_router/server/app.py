@@ -1,0 +1,96 @@
+"""The router process: worker pool, queues, dispatcher, the gRPC service and the HTTP API, and a graceful
+stop (health NOT_SERVING, running streams finish within the grace period)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from glm5.crypto.sm4 import KeyRing
+from glm5.errors import ConfigError
+from glm5.v1 import router_pb2, router_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from glm5_router.config import RouterConfig
+from glm5_router.frontend import Frontend
+from glm5_router.http.openai_api import OpenAIServer
+from glm5_router.scheduling.dispatcher import Dispatcher
+from glm5_router.scheduling.queues import InProcessQueues
+from glm5_router.server.grpc_service import RouterService
+from glm5_router.workers.pool import WorkerPool
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+@dataclass
+class RouterApp:
+    config: RouterConfig
+    pool: WorkerPool
+    dispatcher: Dispatcher
+    frontend: Frontend
+    grpc_server: grpc.aio.Server
+    health: HealthServicer
+    http_runner: web.AppRunner
+    grpc_port: int
+    http_port: int
+
+    async def stop(self, grace: float = 10.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace)
+        await self.http_runner.cleanup()
+        await self.dispatcher.close()
+        await self.pool.close()
+
+
+async def start_router(config: RouterConfig) -> RouterApp:
+    if config.redis_url:
+        raise ConfigError("--redis-url: the Redis queue backend is not in this version yet; leave it out to use "
+                          "the in-process queue")  # fmt: skip
+    keys = KeyRing.from_dir(config.sm4_key_dir) if config.sm4_key_dir else None
+    pool = WorkerPool(config)
+    queues = InProcessQueues(config.max_queued)
+    dispatcher = Dispatcher(config, pool, queues)
+    frontend = Frontend(config, pool, dispatcher)
+    await pool.start()
+    dispatcher.start()
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])  # fmt: skip
+    router_pb2_grpc.add_RouterServicer_to_server(RouterService(frontend, keys), server)  # type: ignore[no-untyped-call]
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)  # fmt: skip
+    grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    if grpc_port == 0:
+        raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    runner = web.AppRunner(OpenAIServer(frontend).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.http_port)
+    await site.start()
+    http_port = runner.addresses[0][1] if runner.addresses else config.http_port
+    log.info("router: gRPC on %s:%d, OpenAI HTTP on http://%s:%d/v1, workers %s", config.host, grpc_port,
+             config.host, http_port, list(pool.workers))  # fmt: skip
+    return RouterApp(config, pool, dispatcher, frontend, server, health, runner, grpc_port, http_port)
+
+
+async def serve_until_signal(config: RouterConfig, grace: float = 10.0) -> None:
+    app = await start_router(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("router stopping (grace %.0fs)", grace)
+    await app.stop(grace)

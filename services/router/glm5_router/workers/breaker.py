@@ -1,0 +1,129 @@
+"""A circuit breaker per worker: closed -> open -> half-open -> closed.
+
+Opens on an error rate over a sliding window (with a minimum number of calls), or when a worker signal
+(KV fragmentation, attention-entropy drift, per-token latency jitter) stays over its threshold for a
+sustained time. After the open period it goes half-open and admits a capped share of traffic as probes;
+enough successes close it, a failure reopens it with a doubled open period (up to a maximum).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import time
+from collections.abc import Callable
+
+from glm5.v1 import worker_pb2
+
+from glm5_router.config import BreakerConfig
+
+
+class State(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+SIGNALS = ("kv_fragmentation", "attention_entropy_drift", "token_latency_jitter_ms")
+
+
+class CircuitBreaker:
+    def __init__(self, config: BreakerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.state = State.CLOSED
+        self.reason = ""
+        self.transitions = 0
+        self._calls: collections.deque[tuple[float, bool]] = collections.deque()
+        self._over_since: dict[str, float] = {}
+        self._open_until = 0.0
+        self._open_s = config.open_s
+        self._probe_credit = 0.0
+        self._probe_successes = 0
+        self._probes_in_flight = 0
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    def current(self) -> State:
+        """The state now: an open breaker whose open period is over is half-open."""
+        if self.state is State.OPEN and self.clock() >= self._open_until:
+            self._to(State.HALF_OPEN, "open period over: probing")
+        return self.state
+
+    def allow(self) -> bool:
+        """Whether a new request may go to this worker now (a half-open breaker admits a share as probes)."""
+        self.current()
+        if self.state is State.CLOSED:
+            return True
+        if self.state is State.OPEN:
+            return False
+        self._probe_credit += self.config.half_open_share
+        if self._probe_credit >= 1.0 or self._probes_in_flight == 0:
+            self._probe_credit = max(0.0, self._probe_credit - 1.0)
+            self._probes_in_flight += 1
+            return True
+        return False
+
+    # -- outcomes -------------------------------------------------------------------------------------
+
+    def record(self, ok: bool) -> None:
+        now = self.clock()
+        if self.state is State.HALF_OPEN:
+            self._probes_in_flight = max(0, self._probes_in_flight - 1)
+            if not ok:
+                self._open_s = min(self._open_s * 2 or self.config.open_s, self.config.max_open_s)
+                self._open(now, "a probe failed")
+                return
+            self._probe_successes += 1
+            if self._probe_successes >= self.config.half_open_successes:
+                self._open_s = self.config.open_s
+                self._to(State.CLOSED, f"{self._probe_successes} probes succeeded")
+            return
+        self._calls.append((now, ok))
+        self._trim(now)
+        if self.state is State.CLOSED and len(self._calls) >= self.config.min_calls:
+            failed = sum(1 for _, good in self._calls if not good)
+            if failed / len(self._calls) >= self.config.error_rate:
+                self._open(now, f"{failed}/{len(self._calls)} calls failed in {self.config.window_s:g}s")
+
+    def forget(self) -> None:
+        """An admitted request ended without an outcome (cancelled by its client)."""
+        if self.state is State.HALF_OPEN:
+            self._probes_in_flight = max(0, self._probes_in_flight - 1)
+
+    def observe(self, stats: worker_pb2.WorkerStats) -> None:
+        """A worker stats sample: a signal over its threshold for `sustained_s` opens the breaker."""
+        now = self.clock()
+        limits = {
+            "kv_fragmentation": self.config.kv_fragmentation,
+            "attention_entropy_drift": self.config.entropy_drift,
+            "token_latency_jitter_ms": self.config.token_jitter_ms,
+        }
+        for name, limit in limits.items():
+            value = float(getattr(stats, name))
+            if value <= limit:
+                self._over_since.pop(name, None)
+                continue
+            since = self._over_since.setdefault(name, now)
+            if self.state is State.CLOSED and now - since >= self.config.sustained_s:
+                self._open(now, f"{name} {value:.3g} > {limit:g} for {now - since:.0f}s")
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _trim(self, now: float) -> None:
+        while self._calls and now - self._calls[0][0] > self.config.window_s:
+            self._calls.popleft()
+
+    def _open(self, now: float, reason: str) -> None:
+        self._open_until = now + self._open_s
+        self._calls.clear()
+        self._over_since.clear()
+        self._to(State.OPEN, reason)
+
+    def _to(self, state: State, reason: str) -> None:
+        self.state = state
+        self.reason = reason
+        self.transitions += 1
+        self._probe_successes = 0
+        self._probes_in_flight = 0
+        self._probe_credit = 0.0

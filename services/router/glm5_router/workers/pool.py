@@ -1,0 +1,163 @@
+"""The workers the router knows: a static list and/or the A records of a headless Service, each with a gRPC
+channel, its latest stats, its load and a circuit breaker. A poll loop keeps health and stats fresh: a
+worker whose GetStats fails is taken out of rotation and comes back when it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass, field
+
+import grpc
+from glm5.tokenizer.tokenizer import Tokenizer
+from glm5.v1 import worker_pb2, worker_pb2_grpc
+
+from glm5_router.config import RouterConfig
+from glm5_router.workers.breaker import CircuitBreaker, State
+
+log = logging.getLogger(__name__)
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+@dataclass(eq=False)
+class Worker:
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    breaker: CircuitBreaker
+    healthy: bool = False
+    stats: worker_pb2.WorkerStats | None = None
+    info: worker_pb2.ModelInfo | None = None
+    outstanding_tokens: int = 0  # sum of max_new_tokens of requests assigned and not finished
+    in_flight: int = 0
+    excluded: str = ""  # why it is never used (tokenizer mismatch)
+
+    @property
+    def kv_usage(self) -> float:
+        return float(self.stats.kv_usage) if self.stats is not None else 0.0
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.excluded and self.breaker.current() is not State.OPEN
+
+
+@dataclass
+class WorkerPool:
+    config: RouterConfig
+    workers: dict[str, Worker] = field(default_factory=dict)
+    tokenizer: Tokenizer | None = None
+    model_info: worker_pb2.ModelInfo | None = None
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> None:
+        await self._discover()
+        await self._poll_all()
+        self._tasks = [asyncio.create_task(self._discovery_loop()), asyncio.create_task(self._poll_loop())]
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """True once one worker answered and the tokenizer is known."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        return self._ready.is_set()
+
+    def routable(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.routable]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await asyncio.gather(*(w.channel.close() for w in self.workers.values()), return_exceptions=True)
+
+    # -- discovery ------------------------------------------------------------------------------------
+
+    async def _addresses(self) -> set[str]:
+        out = set(self.config.workers)
+        if self.config.worker_dns:
+            host, _, port = self.config.worker_dns.rpartition(":")
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("cannot resolve %s: %s", self.config.worker_dns, exc)
+                return out | {a for a in self.workers if a not in self.config.workers}  # keep what we had
+            for family, *_, sockaddr in infos:
+                ip = str(sockaddr[0])
+                out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+        return out
+
+    async def _discover(self) -> None:
+        want = await self._addresses()
+        for address in want - set(self.workers):
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.workers[address] = Worker(
+                address,
+                channel,
+                worker_pb2_grpc.WorkerStub(channel),  # type: ignore[no-untyped-call]
+                CircuitBreaker(self.config.breaker),
+            )
+            log.info("worker %s added", address)
+        for address in set(self.workers) - want:
+            worker = self.workers.pop(address)
+            log.info("worker %s removed (no longer discovered)", address)
+            await worker.channel.close(grace=30)  # in-flight streams may finish
+        self.changed.set()
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            try:
+                await self._discover()
+            except Exception:
+                log.exception("worker discovery failed")
+
+    # -- health and stats -----------------------------------------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            await self._poll_all()
+
+    async def _poll_all(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+
+    async def _poll(self, worker: Worker) -> None:
+        timeout = max(0.5, self.config.stats_interval_s)
+        try:
+            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout)
+            if worker.info is None:
+                worker.info = await worker.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=timeout)
+                await self._adopt_tokenizer(worker, timeout)
+        except grpc.aio.AioRpcError as exc:
+            if worker.healthy:
+                log.warning("worker %s unhealthy: %s %s", worker.address, exc.code().name, exc.details())
+                self.changed.set()
+            worker.healthy = False
+            return
+        worker.stats = stats
+        worker.breaker.observe(stats)
+        if not worker.healthy:
+            log.info("worker %s healthy", worker.address)
+            worker.healthy = True
+            self.changed.set()
+
+    async def _adopt_tokenizer(self, worker: Worker, timeout: float) -> None:
+        assert worker.info is not None
+        if self.tokenizer is None:
+            files = await worker.stub.GetTokenizer(worker_pb2.GetTokenizerRequest(), timeout=timeout * 10)
+            self.tokenizer = Tokenizer.from_files(files.tokenizer_json, files.tokenizer_config_json, worker.address)
+            self.model_info = worker.info
+            self._ready.set()
+            log.info("serving %s (tokenizer %s...) from %s", worker.info.served_model_name,
+                     self.tokenizer.fingerprint[:12], worker.address)  # fmt: skip
+        elif worker.info.tokenizer_fingerprint != self.tokenizer.fingerprint:
+            worker.excluded = (
+                f"tokenizer fingerprint {worker.info.tokenizer_fingerprint[:12]}... differs from the pool's "
+                f"{self.tokenizer.fingerprint[:12]}..."
+            )
+            log.error("worker %s excluded: %s", worker.address, worker.excluded)

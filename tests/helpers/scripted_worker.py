@@ -1,0 +1,129 @@
+"""A worker that speaks the real glm5.v1.Worker gRPC API but streams scripted text instead of running a model.
+
+It isolates the router (tests of reasoning/tool-call parsing and failure handling need outputs a random-weight
+model cannot produce; the router benchmark needs a worker that costs nothing). It uses the real tiny model's
+tokenizer, so token ids and the tokenizer fingerprint are genuine. The prompt picks the script:
+
+- contains THINK  -> "<think>I add 2 and 3.</think>The answer is 5."
+- contains TOOL   -> a get_weather tool call (BADTOOL: a call to an unknown tool)
+- contains FAIL_BEFORE -> UNAVAILABLE before any token;  FAIL_AFTER -> two chunks, then UNAVAILABLE
+- contains SLOW   -> 50 ms between chunks
+- otherwise       -> `max_new_tokens` chunks of " tok"
+
+GetStats reports the numbers in the JSON file given with --stats-file (re-read on every call), so a test can
+make the worker look fragmented or jittery; in that file `"_unhealthy": true` makes GetStats fail and
+`"_fail": "before"` makes every Generate fail before its first token.
+
+    python -m tests.helpers.scripted_worker --port 50999 [--stats-file f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import grpc
+from glm5.model.presets import default_model_path
+from glm5.tokenizer.tokenizer import Tokenizer
+from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+SCRIPTS = {
+    "THINK": ["<think>", "I add 2 ", "and 3.", "</th", "ink>", "The answer ", "is 5."],
+    "BADTOOL": ["Let me send it.",
+                "<tool_call>send_email<arg_key>to</arg_key><arg_value>x@y.z</arg_value></tool_call>"],
+    "TOOL": ["<think>Need the weather.</think>", "Checking.", "<tool_call>get_weather<arg_key>city</arg_key>",
+             "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"],
+}  # fmt: skip
+
+
+class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
+    def __init__(self, tokenizer: Tokenizer, stats_file: Path | None, name: str) -> None:
+        self.tok = tokenizer
+        self.stats_file = stats_file
+        self.name = name
+        self.served = 0
+        self.running = 0
+
+    def _control(self) -> dict[str, Any]:
+        if self.stats_file is not None and self.stats_file.exists():
+            return dict(json.loads(self.stats_file.read_text() or "{}"))
+        return {}
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
+        self.served += 1
+        self.running += 1
+        try:
+            prompt = request.prompt or self.tok.decode(list(request.prompt_token_ids))
+            n = request.sampling.max_new_tokens if request.sampling.HasField("max_new_tokens") else 16
+            if "FAIL_BEFORE" in prompt or self._control().get("_fail") == "before":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure before the first token")
+            script = next((v for k, v in SCRIPTS.items() if k in prompt), [" tok"] * n)
+            delay = 0.05 if "SLOW" in prompt else 0.0
+            total = 0
+            for i, text in enumerate(script):
+                if "FAIL_AFTER" in prompt and i == 2:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure mid-stream")
+                ids = self.tok.encode(text)
+                total += len(ids)
+                last = i == len(script) - 1
+                yield worker_pb2.GenerateResponse(
+                    request_id=request.request_id, token_ids=ids, text=text,
+                    finish_reason=common_pb2.FINISH_REASON_STOP if last else common_pb2.FINISH_REASON_UNSPECIFIED,
+                    usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=total),
+                )  # fmt: skip
+                if delay:
+                    await asyncio.sleep(delay)
+        finally:
+            self.running -= 1
+
+    async def GetStats(self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> Any:
+        values = self._control()
+        if values.pop("_unhealthy", False):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: unhealthy")
+        values.pop("_fail", None)
+        return worker_pb2.WorkerStats(num_running=self.running, generated_tokens_total=self.served, **values)
+
+    async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> Any:
+        return worker_pb2.ModelInfo(
+            served_model_name=self.name, architecture="GlmMoeDsaForCausalLM", max_model_len=8192,
+            vocab_size=self.tok.vocab_size, eos_token_ids=self.tok.eos_token_ids(), dtype="float32", device="cpu",
+            tokenizer_fingerprint=self.tok.fingerprint,
+        )  # fmt: skip
+
+    async def GetTokenizer(self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext) -> Any:
+        tokenizer_json, config = self.tok.files
+        return worker_pb2.TokenizerFiles(
+            tokenizer_json=tokenizer_json, tokenizer_config_json=config, fingerprint=self.tok.fingerprint
+        )
+
+
+async def serve(port: int, stats_file: Path | None, name: str) -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        ScriptedWorker(Tokenizer(default_model_path()), stats_file, name), server
+    )  # type: ignore[no-untyped-call]
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--stats-file", type=Path)
+    parser.add_argument("--name", default="glm5-scripted")
+    a = parser.parse_args()
+    asyncio.run(serve(a.port, a.stats_file, a.name))

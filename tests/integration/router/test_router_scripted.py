@@ -1,0 +1,241 @@
+"""The router process in front of scripted workers (real gRPC servers that stream fixed text, see
+tests/helpers/scripted_worker.py), exercised with the official openai client: reasoning and tool-call
+parsing, retries, breaker, queue limits and deadlines, errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.helpers.procs import start_router, start_scripted_worker, stop
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city"]}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("scripted")
+    files = [tmp / "a.json", tmp / "b.json"]
+    for f in files:
+        f.write_text("{}")
+    workers = [start_scripted_worker(f) for f in files]
+    router, grpc_target, base = start_router(
+        [t for _, t in workers], "--breaker-min-calls", "3", "--breaker-open-seconds", "1",
+        "--breaker-window-seconds", "5", "--retry-backoff-ms", "10", log=tmp / "router.log",
+    )  # fmt: skip
+    try:
+        yield {
+            "base": base,
+            "grpc": grpc_target,
+            "files": files,
+            "workers": [t for _, t in workers],
+            "log": tmp / "router.log",
+        }
+    finally:
+        stop(router)
+        for p, _ in workers:
+            stop(p)
+
+
+@pytest.fixture
+def client(stack: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack["base"], api_key="none", max_retries=0, timeout=30)
+
+
+def _post(url: str, body: bytes | dict[str, Any], timeout: float = 30) -> tuple[int, dict[str, Any], dict[str, str]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r), dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc), dict(exc.headers)
+
+
+def _health(stack: dict[str, Any]) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(stack["base"].removesuffix("/v1") + "/health", timeout=5) as r:
+            return dict(json.load(r))
+    except urllib.error.HTTPError as exc:
+        return dict(json.load(exc))
+
+
+def test_models(client: openai.OpenAI) -> None:
+    (model,) = client.models.list().data
+    assert model.id == "glm5-scripted"
+
+
+def test_reasoning_split_streamed_and_whole(client: openai.OpenAI) -> None:
+    msg = client.chat.completions.create(model="glm5-scripted", messages=[{"role": "user", "content": "THINK"}])
+    m = msg.choices[0].message
+    assert (m.model_extra or {})["reasoning_content"] == "I add 2 and 3."
+    assert m.content == "The answer is 5." and msg.choices[0].finish_reason == "stop"
+    reasoning, content = [], []
+    for chunk in client.chat.completions.create(
+        model="glm5-scripted", messages=[{"role": "user", "content": "THINK"}], stream=True,
+        stream_options={"include_usage": True},
+    ):  # fmt: skip
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            reasoning.append((d.model_extra or {}).get("reasoning_content") or "")
+            content.append(d.content or "")
+        else:
+            assert chunk.usage is not None and chunk.usage.completion_tokens > 0
+    assert "".join(reasoning) == "I add 2 and 3." and "".join(content) == "The answer is 5."
+    assert sum(1 for r in reasoning if r) >= 2  # it really streamed, across the split </think> tag
+
+
+def test_validated_tool_call(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model="glm5-scripted",
+        messages=[{"role": "user", "content": "TOOL"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert choice.message.content == "Checking."
+    streamed = [c for c in client.chat.completions.create(
+        model="glm5-scripted", messages=[{"role": "user", "content": "TOOL"}], tools=[WEATHER], stream=True,  # type: ignore[list-item]
+    )]  # fmt: skip
+    calls = [tc for c in streamed if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.function.name for tc in calls] == ["get_weather"]  # type: ignore[union-attr]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_unknown_tool_is_an_error_not_a_call(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model="glm5-scripted",
+        messages=[{"role": "user", "content": "BADTOOL"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+    )
+    m = resp.choices[0].message
+    assert not m.tool_calls and resp.choices[0].finish_reason == "stop"
+    (err,) = (m.model_extra or {})["tool_call_errors"]
+    assert err["name"] == "send_email" and "unknown tool" in err["error"]
+
+
+def test_mid_stream_failure_ends_with_an_error_not_a_duplicate(client: openai.OpenAI) -> None:
+    seen = []
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        for chunk in client.chat.completions.create(
+            model="glm5-scripted", messages=[{"role": "user", "content": "FAIL_AFTER"}], stream=True
+        ):
+            if chunk.choices and chunk.choices[0].delta.content:
+                seen.append(chunk.choices[0].delta.content)
+    assert seen == [" tok", " tok"]  # what was sent is not sent again
+
+
+def test_client_errors_are_4xx_and_the_router_keeps_serving(stack: dict[str, Any], client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="glm5-scripted", messages=[])
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model="glm5-scripted", messages=[{"role": "user", "content": "x"}],
+                                       tools=[{"type": "function", "function": {"name": "bad name"}}])  # type: ignore[list-item]  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+        client.completions.create(model="glm5-scripted", prompt="x", max_tokens=100000)
+    status, body, _ = _post(stack["base"] + "/chat/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body, _ = _post(stack["base"] + "/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
+    assert status == 400 and body["error"]["param"] == "messages[0].role"
+    status, body, _ = _post(stack["base"] + "/completions", {"prompt": "x", "temperature": "hot"})
+    assert status == 400 and body["error"]["param"] == "temperature"
+    assert (
+        client.completions.create(model="glm5-scripted", prompt="still fine", max_tokens=3).choices[0].text
+        == " tok" * 3
+    )
+
+
+def test_sick_worker_requests_retry_elsewhere_and_its_breaker_opens_then_closes(
+    stack: dict[str, Any], client: openai.OpenAI
+) -> None:
+    sick = stack["files"][0]
+    sick.write_text(json.dumps({"_fail": "before"}))
+    try:
+        for _ in range(8):  # every request completes: failures before the first token are retried elsewhere
+            out = client.completions.create(model="glm5-scripted", prompt="hello", max_tokens=4)
+            assert out.choices[0].text == " tok" * 4
+        states = {w["address"]: w["breaker"] for w in _health(stack)["workers"]}
+        assert states[stack["workers"][0]] in ("open", "half_open") and states[stack["workers"][1]] == "closed"
+    finally:
+        sick.write_text("{}")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # half-open probes succeed and close it
+        client.completions.create(model="glm5-scripted", prompt="probe", max_tokens=1)
+        if {w["address"]: w["breaker"] for w in _health(stack)["workers"]}[stack["workers"][0]] == "closed":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"breaker did not close: {_health(stack)}")
+
+
+def test_sustained_signal_opens_the_breaker(tmp_path: Path) -> None:
+    stats = tmp_path / "stats.json"
+    stats.write_text("{}")
+    proc, target = start_scripted_worker(stats)
+    router, _, base = start_router([target], "--breaker-sustained-seconds", "0.5", "--breaker-open-seconds", "60")
+    try:
+        stats.write_text(json.dumps({"kv_fragmentation": 0.9}))
+        deadline = time.monotonic() + 10
+        health: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=5) as r:
+                    health = json.load(r)
+            except urllib.error.HTTPError as exc:
+                health = json.load(exc)
+            if health["workers"][0]["breaker"] == "open":
+                break
+            time.sleep(0.1)
+        assert health["workers"][0]["breaker"] == "open", health
+        assert "kv_fragmentation" in health["workers"][0]["reason"]
+        assert health["status"] == "unavailable"
+    finally:
+        stop(router)
+        stop(proc)
+
+
+def test_unhealthy_worker_leaves_rotation_full_queue_429_deadline_408_and_it_comes_back(tmp_path: Path) -> None:
+    stats = tmp_path / "stats.json"
+    stats.write_text("{}")
+    proc, target = start_scripted_worker(stats)
+    router, _, base = start_router([target], "--max-queued", "2", "--queue-timeout", "30")
+    try:
+        c = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
+        stats.write_text(json.dumps({"_unhealthy": True}))
+        time.sleep(1.0)  # a few health polls
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            queued = [pool.submit(c.completions.create, model="glm5-scripted", prompt=f"q{i}", max_tokens=2)
+                      for i in range(2)]  # fmt: skip
+            time.sleep(0.5)
+            with pytest.raises(openai.RateLimitError) as full:
+                c.completions.create(model="glm5-scripted", prompt="one too many", max_tokens=2)
+            assert full.value.response.headers.get("retry-after")
+            status, _, headers = _post(base + "/completions", {"prompt": "x", "max_tokens": 2})
+            assert status == 429 and headers.get("Retry-After")
+            stats.write_text("{}")  # healthy again: the queued requests complete
+            assert [f.result(timeout=30).choices[0].text for f in queued] == [" tok" * 2] * 2
+        stop(router)
+        router, _, base = start_router([target], "--queue-timeout", "0.5")
+        stats.write_text(json.dumps({"_unhealthy": True}))
+        time.sleep(1.0)
+        status, body, _ = _post(base + "/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 408 and "deadline" in body["error"]["message"]
+    finally:
+        stop(router)
+        stop(proc)

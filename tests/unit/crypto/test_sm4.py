@@ -1,0 +1,102 @@
+"""SM4-GCM envelopes: standard vectors, tamper/wrong-key/replay rejection, key files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from glm5.crypto.envelopes import open_message, open_stream_message, seal_message
+from glm5.crypto.sm4 import EnvelopeError, KeyRing, Sealed, StreamOpener
+from glm5.errors import ConfigError
+from glm5.v1 import worker_pb2
+
+KEY = bytes.fromhex("0123456789abcdeffedcba9876543210")
+
+
+def test_gbt_32907_2016_block_vector() -> None:
+    # One block with a zero IV in CBC is the raw block cipher (the standard's example); no ECB.
+    enc = Cipher(algorithms.SM4(KEY), modes.CBC(bytes(16))).encryptor()
+    assert (enc.update(KEY) + enc.finalize()).hex() == "681edf34d206965e86b3e94f536e4246"
+
+
+def test_rfc_8998_sm4_gcm_vector() -> None:
+    iv = bytes.fromhex("00001234567800000000ABCD")
+    plaintext = bytes.fromhex(
+        "AAAAAAAAAAAAAAAABBBBBBBBBBBBBBBBCCCCCCCCCCCCCCCCDDDDDDDDDDDDDDDD"
+        "EEEEEEEEEEEEEEEEFFFFFFFFFFFFFFFFEEEEEEEEEEEEEEEEAAAAAAAAAAAAAAAA"
+    )
+    aad = bytes.fromhex("FEEDFACEDEADBEEFFEEDFACEDEADBEEFABADDAD2")
+    enc = Cipher(algorithms.SM4(KEY), modes.GCM(iv)).encryptor()
+    enc.authenticate_additional_data(aad)
+    ciphertext = enc.update(plaintext) + enc.finalize()
+    assert ciphertext.hex().upper() == (
+        "17F399F08C67D5EE19D0DC9969C4BB7D5FD46FD3756489069157B282BB200735"
+        "D82710CA5C22F0CCFA7CBF93D496AC15A56834CBCF98C397B4024A2691233B8D"
+    )
+    assert enc.tag.hex().upper() == "83DE3541E4C2B58177E065A9BF7B62EC"
+
+
+def test_round_trip_with_fresh_nonces() -> None:
+    ring = KeyRing({"k1": KEY})
+    a, b = ring.seal(b"hello", "req-1"), ring.seal(b"hello", "req-1")
+    assert a.nonce != b.nonce and a.ciphertext != b.ciphertext  # no deterministic ciphertexts
+    assert ring.open(a, "req-1") == b"hello"
+
+
+def test_tampered_wrong_key_wrong_request_and_unknown_key_are_rejected() -> None:
+    ring = KeyRing({"k1": KEY})
+    sealed = ring.seal(b"prompt", "req-1")
+    flipped = bytes([sealed.ciphertext[0] ^ 1]) + sealed.ciphertext[1:]
+    with pytest.raises(EnvelopeError, match="authentication failed"):
+        ring.open(Sealed(sealed.key_id, sealed.nonce, flipped), "req-1")
+    with pytest.raises(EnvelopeError, match="authentication failed"):
+        KeyRing({"k1": bytes(16)}).open(sealed, "req-1")
+    with pytest.raises(EnvelopeError, match="authentication failed"):
+        ring.open(sealed, "req-2")  # bound to its request id
+    with pytest.raises(EnvelopeError, match="unknown key id"):
+        ring.open(Sealed("k9", sealed.nonce, sealed.ciphertext), "req-1")
+    with pytest.raises(EnvelopeError, match="nonce"):
+        ring.open(Sealed("k1", b"short", sealed.ciphertext), "req-1")
+
+
+def test_stream_chunks_reject_replay_and_reorder() -> None:
+    ring = KeyRing({"k1": KEY})
+    chunks = [ring.seal(f"chunk {i}".encode(), "req-1", sequence=i) for i in (1, 2, 3)]
+    opener = StreamOpener(ring, "req-1")
+    assert opener.open(chunks[0]) == b"chunk 1"
+    with pytest.raises(EnvelopeError, match="replayed or lost"):
+        opener.open(chunks[0])  # replay
+    with pytest.raises(EnvelopeError, match="replayed or lost"):
+        opener.open(chunks[2])  # skipped one
+    assert opener.open(chunks[1]) == b"chunk 2"
+    forged = Sealed("k1", chunks[2].nonce, chunks[2].ciphertext, sequence=3)
+    assert opener.open(forged) == b"chunk 3"
+    moved = Sealed("k1", chunks[2].nonce, chunks[2].ciphertext, sequence=4)  # sequence is authenticated
+    with pytest.raises(EnvelopeError, match="authentication failed"):
+        opener.open(moved)
+
+
+def test_rotation_and_key_directory(tmp_path: Path) -> None:
+    (tmp_path / "2026-01").write_text(KEY.hex())
+    (tmp_path / "2026-06").write_bytes(b"\x01" * 16)
+    (tmp_path / "active").write_text("2026-06\n")
+    ring = KeyRing.from_dir(tmp_path)
+    assert ring.active == "2026-06"
+    old = KeyRing({"2026-01": KEY}).seal(b"x", "r")
+    assert ring.open(old, "r") == b"x"  # old key still accepted while it is in the ring
+    assert ring.seal(b"x", "r").key_id == "2026-06"
+    (tmp_path / "bad").write_text("not a key")
+    with pytest.raises(ConfigError, match="'bad'"):
+        KeyRing.from_dir(tmp_path)
+
+
+def test_protobuf_envelopes() -> None:
+    ring = KeyRing({"k1": KEY})
+    req = worker_pb2.GenerateRequest(request_id="r1", prompt="secret question")
+    env = seal_message(ring, req, "r1")
+    assert b"secret" not in env.ciphertext
+    assert open_message(ring, env, worker_pb2.GenerateRequest, "r1") == req
+    opener = StreamOpener(ring, "r1")
+    chunk = seal_message(ring, worker_pb2.GenerateResponse(text="answer"), "r1", sequence=1)
+    assert open_stream_message(opener, chunk, worker_pb2.GenerateResponse).text == "answer"
