@@ -36,8 +36,10 @@ def wait_serving(target: str, timeout: float = 120.0, proc: subprocess.Popen | N
     raise TimeoutError(f"{target} not serving after {timeout}s")
 
 
-def start_worker(model: Path, *extra: str, log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_worker(
+    model: Path, *extra: str, log: Path | None = None, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *extra]  # fmt: skip
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the process

@@ -119,3 +119,31 @@ def test_long_names_stay_valid_and_distinct() -> None:
         assert len(na) <= MAX_NAME and len(nb) <= MAX_NAME and na != nb
         assert na.endswith(f"-{suffix}") and na == child_name(a, suffix)
     assert child_name("tiny", "worker") == "tiny-worker"
+
+
+def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
+    from glm5_router.cli import config_from_args
+
+    spec = parse_deployment({
+        "model": {"path": "/m", "servedName": "glm-5", "maxNewTokens": 300},
+        "router": {"batching": {"tokenBudget": 4096, "maxWaitMs": 2}, "queues": {"maxQueued": 50},
+                   "redis": {"urlSecret": {"name": "redis", "key": "url"}},
+                   "circuitBreaker": {"kvFragmentation": 0.7, "sustainedSeconds": 10}, "sm4KeySecret": "keys",
+                   "thinkingPolicy": "deep"},
+    })  # fmt: skip
+    (cm,) = [c.manifest for c in deployment_children("glm5", "ml", spec, CONFIG) if c.name == "glm5-router-config"]
+    path = tmp_path / "router.json"
+    path.write_text(cm["data"]["router.json"])
+    import os
+
+    os.environ["GLM5_REDIS_URL"] = "redis://redis.ml.svc:6379/0"
+    try:
+        router = config_from_args(parse_args(["router", "--config", str(path)]))
+    finally:
+        del os.environ["GLM5_REDIS_URL"]
+    assert router.worker_dns == "glm5-worker.ml.svc:50051" and router.served_model_name == "glm-5"
+    assert (router.token_budget, router.max_wait_ms, router.max_queued) == (4096, 2.0, 50)
+    assert router.redis_url == "redis://redis.ml.svc:6379/0"  # from the Secret, through the env var
+    assert router.breaker.kv_fragmentation == 0.7 and router.breaker.sustained_s == 10
+    assert router.sm4_key_dir == "/etc/glm5/sm4" and router.thinking_policy == "deep"
+    assert router.default_max_new_tokens == 300

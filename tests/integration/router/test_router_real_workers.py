@@ -1,0 +1,202 @@
+"""The router process in front of two real `glm5 worker` processes (tiny model): the OpenAI API with the
+official client, sealed SM4-GCM gRPC requests, and a worker killed under load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from glm5.client import sampling
+from glm5.crypto.envelopes import open_stream_message, seal_message
+from glm5.crypto.sm4 import KeyRing, StreamOpener
+from glm5.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+
+from tests.helpers.procs import start_router, start_worker, stop
+
+WORKER_FLAGS = ("--max-model-len", "2048", "--kv-cache-bytes", "64MiB", "--max-num-seqs", "8")
+KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("router-real")
+    keys = tmp / "keys"
+    keys.mkdir()
+    (keys / "k1").write_text(KEY.hex())
+    workers = [start_worker(tiny_model, *WORKER_FLAGS) for _ in range(2)]
+    router, target, base = start_router([t for _, t in workers], "--sm4-key-dir", str(keys), log=tmp / "router.log")
+    try:
+        yield {"grpc": target, "base": base, "workers": [t for _, t in workers]}
+    finally:
+        stop(router)
+        for p, _ in workers:
+            stop(p)
+
+
+def test_openai_chat_stream_matches_whole_and_reports_usage(stack: dict[str, Any]) -> None:
+    client = openai.OpenAI(base_url=stack["base"], api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    whole = client.chat.completions.create(model="glm5-tiny", messages=messages, max_tokens=24,  # type: ignore[arg-type]
+                                           temperature=0, extra_body={"thinking": {"type": "disabled"}})  # fmt: skip
+    parts, usage = [], None
+    for chunk in client.chat.completions.create(
+        model="glm5-tiny", messages=messages, max_tokens=24, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}, extra_body={"thinking": {"type": "disabled"}},
+    ):  # fmt: skip
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == whole.choices[0].message.content  # greedy: same tokens either way
+    assert whole.usage is not None and usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens > 0
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > 5
+    completion = client.completions.create(model="glm5-tiny", prompt="1 2 3 4", max_tokens=8, temperature=0)
+    assert completion.usage is not None and completion.usage.completion_tokens <= 8
+
+
+def test_load_spreads_over_both_workers(stack: dict[str, Any]) -> None:
+    async def one(stub: router_pb2_grpc.RouterStub, i: int) -> str:
+        req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(
+            prompt=f"count {i}", sampling=sampling(max_new_tokens=16, ignore_eos=True)))  # fmt: skip
+        workers = {r.worker async for r in stub.Generate(req, timeout=120)}
+        (worker,) = workers
+        return worker
+
+    async def go() -> set[str]:
+        async with grpc.aio.insecure_channel(stack["grpc"]) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            return set(await asyncio.gather(*(one(stub, i) for i in range(8))))
+
+    assert asyncio.run(go()) == set(stack["workers"])
+
+
+def test_sealed_requests_and_responses(stack: dict[str, Any]) -> None:
+    ring = KeyRing({"k1": KEY})
+    inner = worker_pb2.GenerateRequest(prompt="secret prompt", sampling=sampling(max_new_tokens=6, temperature=0))
+
+    async def go() -> tuple[str, list[router_pb2.RouterGenerateResponse]]:
+        async with grpc.aio.insecure_channel(stack["grpc"]) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            req = router_pb2.RouterGenerateRequest(request_id="r-sealed", sealed=seal_message(ring, inner, "r-sealed"))
+            sealed = [r async for r in stub.Generate(req, timeout=120)]
+            plain = [r async for r in stub.Generate(router_pb2.RouterGenerateRequest(request=inner), timeout=120)]
+            return "".join(r.response.text for r in plain), sealed
+
+    plain_text, sealed = asyncio.run(go())
+    assert all(not r.HasField("response") and r.sealed.ciphertext for r in sealed)
+    opener = StreamOpener(ring, "r-sealed")
+    opened = [open_stream_message(opener, r.sealed, router_pb2.RouterGenerateResponse) for r in sealed]
+    assert "".join(o.response.text for o in opened) == plain_text  # greedy: the same answer, encrypted
+    assert opened[-1].response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    async def bad(req: router_pb2.RouterGenerateRequest) -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(stack["grpc"]) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=30):
+                    pass
+            return err.value
+
+    env = seal_message(ring, inner, "r-2")
+    tampered = router_pb2.Envelope(
+        key_id=env.key_id, nonce=env.nonce, ciphertext=bytes([env.ciphertext[0] ^ 1]) + env.ciphertext[1:]
+    )
+    for req, message in [
+        (router_pb2.RouterGenerateRequest(request_id="r-2", sealed=tampered), "authentication failed"),
+        (router_pb2.RouterGenerateRequest(request_id="r-other", sealed=env), "authentication failed"),
+        (router_pb2.RouterGenerateRequest(sealed=env), "request_id"),
+        (router_pb2.RouterGenerateRequest(request_id="r-2", sealed=seal_message(KeyRing({"k1": bytes(16)}), inner, "r-2")),
+         "authentication failed"),
+    ]:  # fmt: skip
+        err = asyncio.run(bad(req))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (err.details() or "")
+
+
+def test_bad_sampling_is_invalid_argument(stack: dict[str, Any]) -> None:
+    async def go() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(stack["grpc"]) as ch:
+            req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(
+                prompt="x", sampling=sampling(max_new_tokens=4, top_p=1.5)))  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=30):
+                    pass
+            return err.value
+
+    err = asyncio.run(go())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in (err.details() or "")
+
+
+def test_worker_killed_under_load(tiny_model: Path, tmp_path: Path) -> None:
+    a_proc, a = start_worker(tiny_model, *WORKER_FLAGS)
+    b_proc, b = start_worker(tiny_model, *WORKER_FLAGS)
+    router, target, base = start_router([a, b], "--breaker-min-calls", "2", "--breaker-open-seconds", "1",
+                                        "--retry-backoff-ms", "20", log=tmp_path / "router.log")  # fmt: skip
+
+    async def stream(
+        stub: router_pb2_grpc.RouterStub, i: int, n: int, kill: asyncio.Event | None
+    ) -> tuple[str, int, str]:
+        req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(
+            prompt=f"load {i}", sampling=sampling(max_new_tokens=n, ignore_eos=True)))  # fmt: skip
+        worker, tokens = "", 0
+        try:
+            async for r in stub.Generate(req, timeout=300):
+                worker, tokens = r.worker, tokens + len(r.response.token_ids)
+                if kill is not None and worker == a and tokens >= 4:
+                    kill.set()
+            return worker, tokens, "ok"
+        except grpc.aio.AioRpcError as exc:
+            return worker, tokens, f"{exc.code().name}: {exc.details()}"
+
+    async def go() -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            kill = asyncio.Event()
+            running = [asyncio.create_task(stream(stub, i, 400, kill)) for i in range(4)]
+            await asyncio.wait_for(kill.wait(), 120)
+            os.kill(a_proc.pid, signal.SIGKILL)  # mid-stream on worker a
+            after = await asyncio.gather(*(stream(stub, 10 + i, 8, None) for i in range(6)))
+            return list(await asyncio.gather(*running)), list(after)
+
+    try:
+        under_load, after = asyncio.run(go())
+        broken = [r for r in under_load if r[0] == a]
+        assert broken and all(r[2].startswith("UNAVAILABLE") and "mid-stream" in r[2] and r[1] > 0 for r in broken)
+        assert all(r == (b, 400, "ok") for r in under_load if r[0] == b)
+        # Requests sent after the kill, none of which had a token yet: all complete on the other worker.
+        assert all(r == (b, 8, "ok") for r in after), after
+        a_proc.wait(10)
+        a_proc, _ = start_worker(tiny_model, *WORKER_FLAGS, port=int(a.rsplit(":", 1)[1]))  # a comes back
+        deadline = time.monotonic() + 60
+        served_by_a = False
+        while time.monotonic() < deadline and not served_by_a:
+            results = asyncio.run(_burst(target, 4))
+            served_by_a = a in {w for w, _, _ in results}
+            assert all(status == "ok" for _, _, status in results)
+        assert served_by_a, "the restarted worker never came back into rotation"
+    finally:
+        stop(router)
+        stop(a_proc)
+        stop(b_proc)
+
+
+async def _burst(target: str, n: int) -> list[tuple[str, int, str]]:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+
+        async def one(i: int) -> tuple[str, int, str]:
+            req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(
+                prompt=f"back {i}", sampling=sampling(max_new_tokens=4, ignore_eos=True)))  # fmt: skip
+            worker = ""
+            async for r in stub.Generate(req, timeout=60):
+                worker = r.worker
+            return worker, 4, "ok"
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
