@@ -106,6 +106,7 @@ def test_sealed_requests_and_responses(stack: dict[str, Any]) -> None:
             return err.value
 
     env = seal_message(ring, inner, "r-2")
+    wrong_key = seal_message(KeyRing({"k1": bytes(16)}), inner, "r-2")
     tampered = router_pb2.Envelope(
         key_id=env.key_id, nonce=env.nonce, ciphertext=bytes([env.ciphertext[0] ^ 1]) + env.ciphertext[1:]
     )
@@ -113,8 +114,7 @@ def test_sealed_requests_and_responses(stack: dict[str, Any]) -> None:
         (router_pb2.RouterGenerateRequest(request_id="r-2", sealed=tampered), "authentication failed"),
         (router_pb2.RouterGenerateRequest(request_id="r-other", sealed=env), "authentication failed"),
         (router_pb2.RouterGenerateRequest(sealed=env), "request_id"),
-        (router_pb2.RouterGenerateRequest(request_id="r-2", sealed=seal_message(KeyRing({"k1": bytes(16)}), inner, "r-2")),
-         "authentication failed"),
+        (router_pb2.RouterGenerateRequest(request_id="r-2", sealed=wrong_key), "authentication failed"),
     ]:  # fmt: skip
         err = asyncio.run(bad(req))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (err.details() or "")
@@ -137,7 +137,7 @@ def test_bad_sampling_is_invalid_argument(stack: dict[str, Any]) -> None:
 def test_worker_killed_under_load(tiny_model: Path, tmp_path: Path) -> None:
     a_proc, a = start_worker(tiny_model, *WORKER_FLAGS)
     b_proc, b = start_worker(tiny_model, *WORKER_FLAGS)
-    router, target, base = start_router([a, b], "--breaker-min-calls", "2", "--breaker-open-seconds", "1",
+    router, target, _ = start_router([a, b], "--breaker-min-calls", "2", "--breaker-open-seconds", "1",
                                         "--retry-backoff-ms", "20", log=tmp_path / "router.log")  # fmt: skip
 
     async def stream(
