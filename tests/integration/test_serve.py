@@ -1,0 +1,58 @@
+"""`glm5 serve`, the README's first command: workers + router on this machine, an OpenAI client talks to it,
+Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+
+from tests.helpers.procs import free_port, wait_http
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_glm5_serve_runs_the_stack_and_stops_cleanly(tmp_path: Path) -> None:
+    http_port, grpc_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "glm5_cli", "serve", "--workers", "2", "--http-port", str(http_port),
+           "--grpc-port", str(grpc_port), "--worker-arg=--kv-cache-bytes=64MiB",
+           "--worker-arg=--max-model-len=2048"]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        wait_http(f"http://127.0.0.1:{http_port}/health", proc, timeout=300)
+        children = _children(proc.pid)
+        assert len(children) == 2  # the two workers
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=2)
+        (model,) = client.models.list().data
+        reply = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "2 + 3?"}],
+                                               max_tokens=8)  # fmt: skip
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        assert "OpenAI HTTP: http://localhost:" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        code = proc.wait(60)
+    assert code == 0, log.read_text()[-3000:]
+    assert not any(_alive(c) for c in children), "workers left behind"

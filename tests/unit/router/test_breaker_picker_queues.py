@@ -1,0 +1,192 @@
+"""Circuit breaker, worker picking and queues (pure logic, injected clock)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import grpc
+import pytest
+from glm5.errors import CapacityError
+from glm5.v1 import worker_pb2, worker_pb2_grpc
+from glm5_router.config import BreakerConfig, RouterConfig
+from glm5_router.scheduling.dispatcher import Batch, Dispatcher
+from glm5_router.scheduling.job import Job
+from glm5_router.scheduling.queues import InProcessQueues
+from glm5_router.workers.breaker import CircuitBreaker, State
+from glm5_router.workers.picker import Picker
+from glm5_router.workers.pool import Worker, WorkerPool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _breaker(**kw: float) -> tuple[CircuitBreaker, Clock]:
+    clock = Clock()
+    return CircuitBreaker(BreakerConfig(**kw), clock), clock  # type: ignore[arg-type]
+
+
+def test_error_rate_opens_after_min_calls_and_window_forgets() -> None:
+    b, clock = _breaker(min_calls=4, error_rate=0.5, window_s=10)
+    for ok in (False, False, True):
+        b.record(ok)
+    assert b.state is State.CLOSED  # only 3 calls
+    clock.t += 11  # the old calls leave the window
+    for ok in (True, True, False):
+        b.record(ok)
+    assert b.state is State.CLOSED  # 1/3 in the window
+    b.record(False)
+    assert b.state is State.OPEN and "2/4" in b.reason and not b.allow()
+
+
+def test_half_open_probes_close_or_reopen_with_backoff() -> None:
+    b, clock = _breaker(min_calls=1, open_s=10, max_open_s=25, half_open_share=0.25, half_open_successes=2)
+    b.record(False)
+    assert b.current() is State.OPEN
+    clock.t += 10
+    assert b.current() is State.HALF_OPEN
+    admitted = [b.allow() for _ in range(8)]
+    assert admitted[0] and sum(admitted) == 2  # the first probe, then a 25% share
+    b.record(False)  # a probe fails: open again, twice as long
+    assert b.state is State.OPEN
+    clock.t += 15
+    assert b.current() is State.OPEN
+    clock.t += 5
+    assert b.current() is State.HALF_OPEN
+    b.allow()
+    b.record(True)
+    b.allow()
+    b.record(True)
+    assert b.state is State.CLOSED
+
+
+def test_signals_must_stay_over_threshold_for_the_sustained_time() -> None:
+    b, clock = _breaker(sustained_s=30)
+    bad = worker_pb2.WorkerStats(kv_fragmentation=0.7)
+    b.observe(bad)
+    clock.t += 20
+    b.observe(worker_pb2.WorkerStats(kv_fragmentation=0.5))  # recovered: the timer restarts
+    clock.t += 20
+    b.observe(bad)
+    assert b.state is State.CLOSED
+    clock.t += 29
+    b.observe(worker_pb2.WorkerStats(kv_fragmentation=0.7, token_latency_jitter_ms=10))
+    assert b.state is State.CLOSED
+    clock.t += 1
+    b.observe(bad)
+    assert b.state is State.OPEN and "kv_fragmentation" in b.reason
+    b2, clock2 = _breaker(sustained_s=0)
+    b2.observe(worker_pb2.WorkerStats(attention_entropy_drift=0.2))
+    assert b2.state is State.OPEN
+    b3, _ = _breaker(sustained_s=0)
+    b3.observe(worker_pb2.WorkerStats(token_latency_jitter_ms=151))
+    assert b3.state is State.OPEN
+
+
+def _workers(n: int) -> list[Worker]:
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")  # never called
+    return [Worker(f"10.0.0.{i}:50051", channel, worker_pb2_grpc.WorkerStub(channel), CircuitBreaker(BreakerConfig()),
+                   healthy=True) for i in range(n)]  # fmt: skip
+
+
+def test_least_outstanding_with_round_robin_ties() -> None:
+    ws = _workers(3)
+    p = Picker(1.25)
+    picked = Counter(p.pick(ws, None).address for _ in range(9))  # type: ignore[union-attr]
+    assert set(picked.values()) == {3}  # idle pool: spread evenly
+    ws[0].outstanding_tokens = 100
+    ws[1].outstanding_tokens = 10
+    assert {p.pick(ws, None).address for _ in range(5)} == {ws[2].address}  # type: ignore[union-attr]
+
+
+def test_affinity_is_sticky_but_bounded() -> None:
+    ws = _workers(4)
+    p = Picker(1.25)
+    home = p.pick(ws, "session-1")
+    assert home is not None and all(p.pick(ws, "session-1") is home for _ in range(5))
+    homes = {p.pick(ws, f"s{i}").address for i in range(40)}  # type: ignore[union-attr]
+    assert len(homes) == 4  # keys spread over workers
+    # A hot session: its home fills up to the bound, then the overflow goes elsewhere.
+    for w in ws:
+        w.in_flight = 0
+    placed = []
+    for _ in range(12):
+        w = p.pick(ws, "hot")
+        assert w is not None
+        w.in_flight += 1
+        placed.append(w.address)
+    assert max(Counter(placed).values()) <= 4  # ceil(1.25 * 12 / 4) = 4 at most on one worker
+
+
+def test_open_breaker_is_skipped() -> None:
+    ws = _workers(2)
+    ws[0].breaker.state = State.OPEN
+    ws[0].breaker._open_until = time.monotonic() + 60
+    assert {Picker(1.25).pick(ws, None).address for _ in range(4)} == {ws[1].address}  # type: ignore[union-attr]
+    ws[1].breaker.state = State.OPEN
+    ws[1].breaker._open_until = time.monotonic() + 60
+    assert Picker(1.25).pick(ws, None) is None
+
+
+def _job(i: int, lane: str = "short", prompt: int = 10, new: int = 10) -> Job:
+    return Job(f"j{i}", worker_pb2.GenerateRequest(), prompt, new, lane, time.monotonic() + 60)  # type: ignore[arg-type]
+
+
+def test_queues_order_pause_and_capacity() -> None:
+    q = InProcessQueues(max_queued=5)
+    big, small = _job(1, "long", prompt=50000, new=100), _job(2, "long", prompt=33000, new=10)
+    medium, short = _job(3, "medium"), _job(4, "short")
+    for j in (big, small, medium, short):
+        q.put(j)
+    order = []
+    while (j := q.peek(long_paused=False)) is not None:
+        q.pop(j)
+        order.append(j.id)
+    assert order == ["j4", "j3", "j2", "j1"]  # short, medium, then long by KV cost
+    q.put(big)
+    assert q.peek(long_paused=True) is None and len(q) == 1  # paused under KV pressure, still queued
+    retried = _job(5)
+    q.put(_job(6))
+    q.put(retried, front=True)
+    assert q.peek(False) is retried
+    for i in range(2):
+        q.put(_job(10 + i))
+    with pytest.raises(CapacityError, match="full"):
+        q.put(_job(20))
+    q.discard(retried)
+    assert len(q) == 4 and q.peek(False).id == "j6"  # type: ignore[union-attr]
+
+
+class RecordingDispatcher(Dispatcher):
+    """Records batches instead of starting streams: the flush policy on its own."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config, WorkerPool(config), InProcessQueues(100))
+        self.sent: list[list[str]] = []
+
+    def _send(self, worker: Worker, batch: Batch) -> None:
+        self.sent.append([j.id for j in batch.jobs])
+        batch.jobs, batch.tokens = [], 0
+
+
+def test_batches_flush_at_the_token_budget_after_the_wait_or_when_idle() -> None:
+    async def go() -> list[list[str]]:
+        d = RecordingDispatcher(RouterConfig(workers=("w:1",), token_budget=100, max_wait_ms=30))
+        (w,) = _workers(1)
+        d.pool.workers[w.address] = w
+        d._assign(w, _job(1, new=40))  # idle worker: sent at once
+        d._assign(w, _job(2, new=40))  # busy now: waits ...
+        d._assign(w, _job(3, new=70))  # ... until the budget is reached
+        d._assign(w, _job(4, new=10))
+        d.start()
+        await asyncio.sleep(0.1)  # ... or the wait passes
+        await d.close()
+        return d.sent
+
+    assert asyncio.run(go()) == [["j1"], ["j2", "j3"], ["j4"]]
