@@ -81,7 +81,7 @@ def test_signals_must_stay_over_threshold_for_the_sustained_time() -> None:
     clock.t += 1
     b.observe(bad)
     assert b.state is State.OPEN and "kv_fragmentation" in b.reason
-    b2, clock2 = _breaker(sustained_s=0)
+    b2, _ = _breaker(sustained_s=0)
     b2.observe(worker_pb2.WorkerStats(attention_entropy_drift=0.2))
     assert b2.state is State.OPEN
     b3, _ = _breaker(sustained_s=0)
