@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--token-budget", type=int, default=d.token_budget, help="flush a batch at this many new tokens")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="... or after this wait")
+    p.add_argument("--no-idle-flush", action="store_true", help="hold requests for an idle worker too (a plain "
+                   "time window; for comparison)")  # fmt: skip
     p.add_argument("--short-max-prompt-tokens", type=int, default=d.short_max_prompt_tokens)
     p.add_argument("--long-min-prompt-tokens", type=int, default=d.long_min_prompt_tokens)
     p.add_argument("--long-pause-kv-usage", type=float, default=d.long_pause_kv_usage)
@@ -62,6 +64,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         workers=tuple(a.worker), worker_dns=a.worker_dns, host=a.host, grpc_port=a.grpc_port,
         http_port=a.http_port, served_model_name=a.served_model_name,
         default_max_new_tokens=a.default_max_new_tokens, token_budget=a.token_budget, max_wait_ms=a.max_wait_ms,
+        flush_when_idle=not a.no_idle_flush,
         short_max_prompt_tokens=a.short_max_prompt_tokens, long_min_prompt_tokens=a.long_min_prompt_tokens,
         long_pause_kv_usage=a.long_pause_kv_usage, max_queued=a.max_queued, queue_timeout_s=a.queue_timeout,
         redis_url=redis_url, affinity_load_factor=a.affinity_load_factor, max_retries=a.max_retries,

@@ -46,6 +46,7 @@ class RouterConfig:
     # batching: flush a worker's batch at this many max_new_tokens, or after max_wait_ms, or when idle
     token_budget: int = 8192
     max_wait_ms: float = 5.0
+    flush_when_idle: bool = True  # an idle worker gets a request at once (off: a plain time window)
     # queues
     short_max_prompt_tokens: int = 2048
     long_min_prompt_tokens: int = 32768

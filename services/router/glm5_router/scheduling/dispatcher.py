@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -73,50 +73,81 @@ class Dispatcher:
 
     async def submit(self, job: Job) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """Queue `job` and stream its responses; raises CapacityError, DeadlineError, UnavailableError or
-        WorkerStatusError. Leaving the iteration early cancels the job (and its worker stream)."""
+        WorkerStatusError. The dispatcher only decides when and where; the caller's own coroutine streams
+        from the worker, so a token costs no extra hop. Leaving the iteration early cancels the job."""
+        job.assigned = asyncio.get_running_loop().create_future()
         self.queues.put(job)
-        self._wake.set()
+        self._dispatch()  # inline: an idle worker takes the job without a trip through the dispatch loop
+        if not job.assigned.done():
+            self._wake.set()
         try:
             while True:
-                if job.started:
-                    item = await job.out.get()
-                else:
-                    remaining = job.deadline - time.monotonic()
-                    try:
-                        item = await asyncio.wait_for(job.out.get(), max(remaining, 0))
-                    except TimeoutError:
-                        if job.started or not job.out.empty():
-                            continue  # it started in the meantime
-                        raise DeadlineError(
-                            f"the request waited {time.monotonic() - job.arrival:.1f}s without being served "
-                            f"(deadline); the workers are busy or unavailable"
-                        ) from None
-                if item is None:
+                worker = await self._assignment(job)
+                try:
+                    async with contextlib.aclosing(self._stream(worker, job)) as stream:
+                        async for resp in stream:
+                            yield resp
                     return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                except _Retry:
+                    continue
         finally:
             self._cancel(job)
+
+    async def _assignment(self, job: Job) -> Worker:
+        assert job.assigned is not None
+        remaining = job.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.assigned), max(remaining, 0))
+        except TimeoutError:
+            if job.assigned.done():
+                return job.assigned.result()
+            raise DeadlineError(
+                f"the request waited {time.monotonic() - job.arrival:.1f}s without being served (deadline); "
+                f"the workers are busy or unavailable"
+            ) from None
+
+    async def _stream(self, worker: Worker, job: Job) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
+        job.attempts += 1
+        outcome: bool | None = True
+        call = worker.stub.Generate(job.request)
+        try:
+            async for resp in call:
+                job.started = True
+                yield resp
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code in CLIENT_CODES:
+                raise WorkerStatusError(code, details) from None
+            outcome = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # busy, not sick
+            await self._failed(worker, job, f"{code.name}: {details}")
+            raise _Retry() from None
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = None if not job.started else True  # the client left: no evidence about the worker
+            raise
+        finally:
+            call.cancel()  # no-op when it finished; frees the worker's slot when the client left
+            self._release(worker, job)
+            if outcome is None:
+                worker.breaker.forget()
+            else:
+                worker.breaker.record(outcome)
 
     def _cancel(self, job: Job) -> None:
         if job.done:
             return
         self.queues.discard(job)
         job.done = True
-        if job.task is not None and not job.task.done():
-            job.task.cancel()
+        if job.assigned is not None and not job.assigned.done():
+            job.assigned.cancel()
 
     # -- the dispatch loop ----------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        self.pool.on_change = self._wake.set
         while True:
-            waiters = [asyncio.create_task(self._wake.wait()), asyncio.create_task(self.pool.changed.wait())]
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED, timeout=self.config.stats_interval_s)
-            for w in waiters:
-                w.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.stats_interval_s)
             self._wake.clear()
-            self.pool.changed.clear()
             try:
                 self._dispatch()
                 self._flush_due()
@@ -150,7 +181,8 @@ class Dispatcher:
         batch.jobs.append(job)
         batch.tokens += job.max_new_tokens
         busy = worker.in_flight > len(batch.jobs)  # something of this worker is already running
-        if batch.tokens >= self.config.token_budget or not busy or self.config.max_wait_ms == 0:
+        idle = not busy and self.config.flush_when_idle
+        if batch.tokens >= self.config.token_budget or idle or self.config.max_wait_ms == 0:
             self._send(worker, batch)
         else:
             self._arm_timer(batch.since + self.config.max_wait_ms / 1000)
@@ -175,69 +207,44 @@ class Dispatcher:
         jobs, batch.jobs, batch.tokens = batch.jobs, [], 0
         self.batches_sent += 1
         for job in jobs:
-            if job.done:
+            if job.done or job.assigned is None or job.assigned.done():
                 self._release(worker, job)
                 continue
-            job.task = asyncio.create_task(self._run(worker, job))
+            job.assigned.set_result(worker)
 
     def _release(self, worker: Worker, job: Job) -> None:
         worker.in_flight -= 1
         worker.outstanding_tokens -= job.max_new_tokens
-        self._wake.set()
+        if len(self.queues) or any(b.jobs for b in self._batches.values()):
+            self._wake.set()  # a freed worker may take queued work or flush its batch
 
-    # -- one stream -----------------------------------------------------------------------------------
+    # -- failures -------------------------------------------------------------------------------------
 
-    async def _run(self, worker: Worker, job: Job) -> None:
-        job.attempts += 1
-        ok = True
-        try:
-            call = worker.stub.Generate(job.request)
-            async for resp in call:
-                job.started = True
-                job.out.put_nowait(resp)
-            job.out.put_nowait(None)
-        except asyncio.CancelledError:
-            raise  # the client went away; the call is cancelled with the task
-        except grpc.aio.AioRpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            if code in CLIENT_CODES:
-                job.out.put_nowait(WorkerStatusError(code, details))
-            elif code == grpc.StatusCode.CANCELLED and job.done:
-                pass
-            else:
-                ok = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # busy, not sick
-                self._failed(worker, job, f"{code.name}: {details}")
-        finally:
-            self._release(worker, job)
-            if job.done and not job.started:
-                worker.breaker.forget()  # the client left before anything happened: no evidence either way
-            else:
-                worker.breaker.record(ok)
-
-    def _failed(self, worker: Worker, job: Job, why: str) -> None:
+    async def _failed(self, worker: Worker, job: Job, why: str) -> None:
+        """Raises the error the client sees, or returns after a backoff with the job queued again."""
         job.failed_on.add(worker.address)
         if job.started:
-            job.out.put_nowait(UnavailableError(
+            raise UnavailableError(
                 f"worker {worker.address} failed mid-stream ({why}); the output so far was sent and is not "
                 f"repeated: retry the request"
-            ))  # fmt: skip
-            return
+            )
         if job.attempts > self.config.max_retries or time.monotonic() >= job.deadline:
-            job.out.put_nowait(UnavailableError(f"no worker could serve the request after {job.attempts} attempts "
-                                                f"(last: {worker.address}: {why})"))  # fmt: skip
-            return
+            raise UnavailableError(
+                f"no worker could serve the request after {job.attempts} attempts (last: {worker.address}: {why})"
+            )
         self.retries += 1
         backoff = self.config.retry_backoff_ms / 1000 * (2 ** (job.attempts - 1))
         delay = random.uniform(0, backoff)  # full jitter
         log.info("retrying %s in %.0f ms after %s failed: %s", job.id, delay * 1000, worker.address, why)
-        asyncio.get_running_loop().call_later(delay, self._requeue, job)
-
-    def _requeue(self, job: Job) -> None:
-        if job.done:
-            return
+        await asyncio.sleep(delay)
         job.affinity_key = None  # do not insist on the worker that just failed
+        job.assigned = asyncio.get_running_loop().create_future()
         self.queues.put(job, front=True)
         self._wake.set()
+
+
+class _Retry(Exception):
+    """The job went back to the queue after a failure before its first token."""
 
 
 def validate_job_fits(job: Job, max_model_len: int) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from glm5.v1 import worker_pb2
 
+if TYPE_CHECKING:
+    from glm5_router.workers.pool import Worker
+
 Lane = Literal["short", "medium", "long"]
-Item = worker_pb2.GenerateResponse | BaseException | None  # None ends the stream
 
 
 @dataclass(eq=False)
@@ -26,8 +28,8 @@ class Job:
     attempts: int = 0
     started: bool = False  # a token reached the client: never retried after this
     worker: str = ""
-    out: asyncio.Queue[Item] = field(default_factory=asyncio.Queue)
-    task: asyncio.Task[None] | None = None
+    # Set to the worker by the dispatcher when the job's batch is sent; renewed for a retry.
+    assigned: asyncio.Future[Worker] | None = None
     done: bool = False
     queued: bool = False
     failed_on: set[str] = field(default_factory=set)  # workers that failed it (avoided on retry)

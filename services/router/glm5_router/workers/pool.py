@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -49,7 +50,7 @@ class WorkerPool:
     workers: dict[str, Worker] = field(default_factory=dict)
     tokenizer: Tokenizer | None = None
     model_info: worker_pb2.ModelInfo | None = None
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    on_change: Callable[[], None] = lambda: None  # the dispatcher's wake-up
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -106,7 +107,7 @@ class WorkerPool:
             worker = self.workers.pop(address)
             log.info("worker %s removed (no longer discovered)", address)
             await worker.channel.close(grace=30)  # in-flight streams may finish
-        self.changed.set()
+        self.on_change()
 
     async def _discovery_loop(self) -> None:
         while True:
@@ -136,7 +137,7 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             if worker.healthy:
                 log.warning("worker %s unhealthy: %s %s", worker.address, exc.code().name, exc.details())
-                self.changed.set()
+                self.on_change()
             worker.healthy = False
             return
         worker.stats = stats
@@ -144,7 +145,7 @@ class WorkerPool:
         if not worker.healthy:
             log.info("worker %s healthy", worker.address)
             worker.healthy = True
-            self.changed.set()
+            self.on_change()
 
     async def _adopt_tokenizer(self, worker: Worker, timeout: float) -> None:
         assert worker.info is not None
