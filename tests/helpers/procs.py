@@ -102,3 +102,25 @@ def start_router(workers: list[str], *extra: str, log: Path | None = None) -> tu
     wait_http(base + "/health", proc)
     wait_serving(f"127.0.0.1:{grpc_port}", proc=proc)
     return proc, f"127.0.0.1:{grpc_port}", base + "/v1"
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """A real redis-server on a free localhost port (no persistence): (process, redis:// URL)."""
+    import shutil
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed: apt-get install -y redis-server (.ci/run does)"
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise TimeoutError("redis-server did not start")

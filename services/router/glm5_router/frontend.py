@@ -10,7 +10,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -98,6 +98,8 @@ class Frontend:
         self.pool = pool
         self.dispatcher = dispatcher
         self.reasoning = ReasoningStore(config.reasoning_cache_entries)
+        # Where jobs go: the in-process dispatcher, or the shared Redis queue (set by the app).
+        self.submit: Callable[[Job], AsyncIterator[worker_pb2.GenerateResponse]] = dispatcher.submit
         self._strip: re.Pattern[str] | None = None
 
     @property
@@ -220,7 +222,7 @@ class Frontend:
         reasoning_parser = ReasoningParser(in_reasoning)
         tools = ToolCallParser(registry) if registry is not None and registry.tools else None
         reasoning_all, content_all = [], []
-        async for resp in self.dispatcher.submit(job):
+        async for resp in self.submit(job):
             split = reasoning_parser.feed(resp.text)
             final = resp.finish_reason != 0
             tail = reasoning_parser.finish() if final else None

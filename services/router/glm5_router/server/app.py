@@ -16,12 +16,14 @@ from glm5.v1 import router_pb2, router_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from redis.exceptions import RedisError
 
 from glm5_router.config import RouterConfig
 from glm5_router.frontend import Frontend
 from glm5_router.http.openai_api import OpenAIServer
 from glm5_router.scheduling.dispatcher import Dispatcher
 from glm5_router.scheduling.queues import InProcessQueues
+from glm5_router.scheduling.redis_queue import RedisSettings, SharedQueue
 from glm5_router.server.grpc_service import RouterService
 from glm5_router.workers.pool import WorkerPool
 
@@ -40,19 +42,19 @@ class RouterApp:
     http_runner: web.AppRunner
     grpc_port: int
     http_port: int
+    shared: SharedQueue | None = None
 
     async def stop(self, grace: float = 10.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(grace)
         await self.http_runner.cleanup()
+        if self.shared is not None:
+            await self.shared.close(grace)  # stop claiming; claimed requests finish
         await self.dispatcher.close()
         await self.pool.close()
 
 
 async def start_router(config: RouterConfig) -> RouterApp:
-    if config.redis_url:
-        raise ConfigError("--redis-url: the Redis queue backend is not in this version yet; leave it out to use "
-                          "the in-process queue")  # fmt: skip
     keys = KeyRing.from_dir(config.sm4_key_dir) if config.sm4_key_dir else None
     pool = WorkerPool(config)
     queues = InProcessQueues(config.max_queued)
@@ -60,6 +62,17 @@ async def start_router(config: RouterConfig) -> RouterApp:
     frontend = Frontend(config, pool, dispatcher)
     await pool.start()
     dispatcher.start()
+    shared = None
+    if config.redis_url:
+        shared = SharedQueue(RedisSettings(config.redis_url), dispatcher, pool, config.max_queued,
+                             config.long_pause_kv_usage)  # fmt: skip
+        try:
+            await shared.start()
+        except (OSError, RedisError) as exc:
+            await dispatcher.close()
+            await pool.close()
+            raise ConfigError(f"--redis-url: cannot reach {config.redis_url}: {exc}") from exc
+        frontend.submit = shared.submit
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])  # fmt: skip
@@ -82,7 +95,7 @@ async def start_router(config: RouterConfig) -> RouterApp:
     http_port = runner.addresses[0][1] if runner.addresses else config.http_port
     log.info("router: gRPC on %s:%d, OpenAI HTTP on http://%s:%d/v1, workers %s", config.host, grpc_port,
              config.host, http_port, list(pool.workers))  # fmt: skip
-    return RouterApp(config, pool, dispatcher, frontend, server, health, runner, grpc_port, http_port)
+    return RouterApp(config, pool, dispatcher, frontend, server, health, runner, grpc_port, http_port, shared)
 
 
 async def serve_until_signal(config: RouterConfig, grace: float = 10.0) -> None:
