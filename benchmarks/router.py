@@ -18,7 +18,6 @@ import asyncio
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any

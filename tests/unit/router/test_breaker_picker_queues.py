@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-
 from typing import Any, cast
 
 import pytest
