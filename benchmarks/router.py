@@ -92,8 +92,8 @@ def latency(requests: int, repeats: int) -> None:
         for _ in range(repeats):
             d, r = [], []
             for i in range(requests):  # interleaved, one at a time: latency, not queueing
-                d.append(await _timed_stream(lambda: direct(i)))
-                r.append(await _timed_stream(lambda: routed(i)))
+                d.append(await _timed_stream(lambda i=i: direct(i)))  # type: ignore[misc]
+                r.append(await _timed_stream(lambda i=i: routed(i)))  # type: ignore[misc]
             for k, what in enumerate(rows):
                 dk, rk = [x[k] for x in d], [x[k] for x in r]
                 rows[what].append((statistics.median(dk), _pct(dk, 0.99), statistics.median(rk), _pct(rk, 0.99)))

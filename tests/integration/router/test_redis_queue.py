@@ -43,8 +43,8 @@ def test_two_routers_share_one_queue(redis_url: str, tmp_path: Path) -> None:
     b, _, base_b = start_router([worker], "--redis-url", redis_url)
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(_client(base).completions.create, model="glm5-scripted", prompt=f"p{i}", max_tokens=3)
-                       for i, base in enumerate([base_a, base_b] * 6)]  # fmt: skip
+            futures = [pool.submit(_client(base).completions.create, model="glm5-scripted", prompt=f"p{i}",
+                                   max_tokens=3) for i, base in enumerate([base_a, base_b] * 6)]  # fmt: skip
             assert [f.result().choices[0].text for f in futures] == [" tok" * 3] * 12
         assert _served(worker) == 12
         assert redis.Redis.from_url(redis_url).zcard("queue:short") == 0
