@@ -4,6 +4,7 @@ deltas."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -16,7 +17,8 @@ from typing import Any, Literal
 
 from glm5.errors import InvalidRequestError, UnavailableError
 from glm5.tokenizer.tokenizer import Tokenizer
-from glm5.v1 import worker_pb2
+from glm5.v1 import common_pb2, worker_pb2
+from opentelemetry.trace import SpanKind
 
 from glm5_router.config import RouterConfig
 from glm5_router.parsing.reasoning import THINK_OPEN, ReasoningParser
@@ -217,8 +219,58 @@ class Frontend:
 
     # -- worker stream -> deltas ----------------------------------------------------------------------
 
-    async def stream(self, job: Job, in_reasoning: bool, registry: ToolRegistry | None,
-                     session: str | None = None) -> AsyncIterator[Delta]:  # fmt: skip
+    async def stream(
+        self,
+        job: Job,
+        in_reasoning: bool,
+        registry: ToolRegistry | None,
+        session: str | None = None,
+        operation: str = "text_completion",
+    ) -> AsyncIterator[Delta]:
+        """The worker's stream as deltas, inside a server span with gen_ai.* attributes, with metrics."""
+        t = self.dispatcher.telemetry
+        s = job.request.sampling
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": operation, "gen_ai.system": "glm5", "gen_ai.request.model": self.model_name,
+            "gen_ai.request.max_tokens": job.max_new_tokens, "glm5.request_id": job.id, "glm5.lane": job.lane,
+        }  # fmt: skip
+        if s.HasField("temperature"):
+            attributes["gen_ai.request.temperature"] = s.temperature
+        with t.tracer.start_as_current_span(f"{operation} {self.model_name}", kind=SpanKind.SERVER,
+                                            attributes=attributes) as span:  # fmt: skip
+            first = last = 0.0
+            tokens = 0
+            final: worker_pb2.GenerateResponse | None = None
+            try:
+                async for delta in self._deltas(job, in_reasoning, registry, session):
+                    now = time.monotonic()
+                    if tokens == 0 and delta.response.token_ids:
+                        first = now
+                        t.ttft.observe(now - job.arrival)
+                    tokens += len(delta.response.token_ids)
+                    last = now
+                    if delta.response.finish_reason:
+                        final = delta.response
+                    yield delta
+            except BaseException as exc:
+                outcome = "cancelled" if isinstance(exc, GeneratorExit | asyncio.CancelledError) else type(exc).__name__
+                t.requests.labels(outcome).inc()
+                raise
+            t.requests.labels("ok").inc()
+            if tokens > 1:
+                t.tpot.observe((last - first) / (tokens - 1))
+            if final is not None:
+                u = final.usage
+                t.tokens.labels("prompt").inc(u.prompt_tokens)
+                t.tokens.labels("completion").inc(u.completion_tokens)
+                span.set_attribute("gen_ai.usage.input_tokens", u.prompt_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", u.completion_tokens)
+                reason = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+                span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            span.set_attribute("glm5.worker", job.worker)
+
+    async def _deltas(self, job: Job, in_reasoning: bool, registry: ToolRegistry | None,
+                      session: str | None) -> AsyncIterator[Delta]:  # fmt: skip
         reasoning_parser = ReasoningParser(in_reasoning)
         tools = ToolCallParser(registry) if registry is not None and registry.tools else None
         reasoning_all, content_all = [], []

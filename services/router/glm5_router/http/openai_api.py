@@ -169,6 +169,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -183,6 +184,10 @@ class OpenAIServer:
         body = {"status": "ok" if routable else "unavailable", "workers": workers,
                 "queued": self.frontend.dispatcher.queues.depth()}  # fmt: skip
         return web.json_response(body, status=200 if routable else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.frontend.dispatcher.telemetry.exposition()
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def models(self, request: web.Request) -> web.Response:
         f = self.frontend
@@ -293,7 +298,7 @@ class OpenAIServer:
             )
         inp.tools = tools if choice_mode == "auto" else None
         job, in_reasoning, registry = self.frontend.build(inp)
-        stream = self.frontend.stream(job, in_reasoning, registry, inp.session_id)
+        stream = self.frontend.stream(job, in_reasoning, registry, inp.session_id, operation="chat")
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
         head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 

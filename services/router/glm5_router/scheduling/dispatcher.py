@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 import grpc
 from glm5.errors import DeadlineError, InvalidRequestError, UnavailableError
 from glm5.v1 import worker_pb2
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from glm5_router.config import RouterConfig
 from glm5_router.scheduling.job import Job
 from glm5_router.scheduling.queues import InProcessQueues
+from glm5_router.telemetry import Telemetry
 from glm5_router.workers.picker import Picker
 from glm5_router.workers.pool import Worker, WorkerPool
 
@@ -48,8 +50,11 @@ class Batch:
 
 
 class Dispatcher:
-    def __init__(self, config: RouterConfig, pool: WorkerPool, queues: InProcessQueues) -> None:
+    def __init__(
+        self, config: RouterConfig, pool: WorkerPool, queues: InProcessQueues, telemetry: Telemetry | None = None
+    ) -> None:
         self.config = config
+        self.telemetry = telemetry or Telemetry()
         self.pool = pool
         self.queues = queues
         self._wake = asyncio.Event()
@@ -97,7 +102,10 @@ class Dispatcher:
         assert job.assigned is not None
         remaining = job.deadline - time.monotonic()
         try:
-            return await asyncio.wait_for(asyncio.shield(job.assigned), max(remaining, 0))
+            worker = await asyncio.wait_for(asyncio.shield(job.assigned), max(remaining, 0))
+            if job.attempts == 0:
+                self.telemetry.queue_wait.observe(time.monotonic() - job.arrival)
+            return worker
         except TimeoutError:
             if job.assigned.done():
                 return job.assigned.result()
@@ -109,6 +117,10 @@ class Dispatcher:
     async def _stream(self, worker: Worker, job: Job) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         job.attempts += 1
         outcome: bool | None = True
+        span = self.telemetry.tracer.start_span(
+            "glm5.v1.Worker/Generate", kind=SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "server.address": worker.address, "glm5.attempt": job.attempts},
+        )  # fmt: skip
         call = worker.stub.Generate(job.request)
         try:
             async for resp in call:
@@ -119,12 +131,14 @@ class Dispatcher:
             if code in CLIENT_CODES:
                 raise WorkerStatusError(code, details) from None
             outcome = code == grpc.StatusCode.RESOURCE_EXHAUSTED  # busy, not sick
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
             await self._failed(worker, job, f"{code.name}: {details}")
             raise _Retry() from None
         except (asyncio.CancelledError, GeneratorExit):
             outcome = None if not job.started else True  # the client left: no evidence about the worker
             raise
         finally:
+            span.end()
             call.cancel()  # no-op when it finished; frees the worker's slot when the client left
             self._release(worker, job)
             if outcome is None:
@@ -233,6 +247,7 @@ class Dispatcher:
                 f"no worker could serve the request after {job.attempts} attempts (last: {worker.address}: {why})"
             )
         self.retries += 1
+        self.telemetry.retries.inc()
         backoff = self.config.retry_backoff_ms / 1000 * (2 ** (job.attempts - 1))
         delay = random.uniform(0, backoff)  # full jitter
         log.info("retrying %s in %.0f ms after %s failed: %s", job.id, delay * 1000, worker.address, why)

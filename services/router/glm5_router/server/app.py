@@ -25,6 +25,7 @@ from glm5_router.scheduling.dispatcher import Dispatcher
 from glm5_router.scheduling.queues import InProcessQueues
 from glm5_router.scheduling.redis_queue import RedisSettings, SharedQueue
 from glm5_router.server.grpc_service import RouterService
+from glm5_router.telemetry import Telemetry, configure_tracing
 from glm5_router.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,13 @@ class RouterApp:
 
 async def start_router(config: RouterConfig) -> RouterApp:
     keys = KeyRing.from_dir(config.sm4_key_dir) if config.sm4_key_dir else None
+    configure_tracing()
+    telemetry = Telemetry()
     pool = WorkerPool(config)
+    pool.on_breaker = lambda address, state, reason: telemetry.transitions.labels(address, state.value).inc()
     queues = InProcessQueues(config.max_queued)
-    dispatcher = Dispatcher(config, pool, queues)
+    dispatcher = Dispatcher(config, pool, queues, telemetry)
+    telemetry.watch(queues.depth, lambda: {a: w.breaker.current().value for a, w in pool.workers.items()})
     frontend = Frontend(config, pool, dispatcher)
     await pool.start()
     dispatcher.start()

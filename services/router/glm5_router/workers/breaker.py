@@ -28,9 +28,15 @@ SIGNALS = ("kv_fragmentation", "attention_entropy_drift", "token_latency_jitter_
 
 
 class CircuitBreaker:
-    def __init__(self, config: BreakerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: BreakerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        on_transition: Callable[[State, str], None] | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
+        self.on_transition = on_transition
         self.state = State.CLOSED
         self.reason = ""
         self.transitions = 0
@@ -124,6 +130,8 @@ class CircuitBreaker:
         self.state = state
         self.reason = reason
         self.transitions += 1
+        if self.on_transition is not None:
+            self.on_transition(state, reason)
         self._probe_successes = 0
         self._probes_in_flight = 0
         self._probe_credit = 0.0

@@ -51,6 +51,7 @@ class WorkerPool:
     tokenizer: Tokenizer | None = None
     model_info: worker_pb2.ModelInfo | None = None
     on_change: Callable[[], None] = lambda: None  # the dispatcher's wake-up
+    on_breaker: Callable[[str, State, str], None] = lambda address, state, reason: None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -100,7 +101,7 @@ class WorkerPool:
                 address,
                 channel,
                 worker_pb2_grpc.WorkerStub(channel),  # type: ignore[no-untyped-call]
-                CircuitBreaker(self.config.breaker),
+                CircuitBreaker(self.config.breaker, on_transition=self._breaker_hook(address)),
             )
             log.info("worker %s added", address)
         for address in set(self.workers) - want:
@@ -116,6 +117,13 @@ class WorkerPool:
                 await self._discover()
             except Exception:
                 log.exception("worker discovery failed")
+
+    def _breaker_hook(self, address: str) -> Callable[[State, str], None]:
+        def hook(state: State, reason: str) -> None:
+            log.warning("worker %s breaker %s: %s", address, state.value, reason)
+            self.on_breaker(address, state, reason)
+
+        return hook
 
     # -- health and stats -----------------------------------------------------------------------------
 

@@ -1,0 +1,91 @@
+"""Metrics (Prometheus, /metrics on the HTTP port) and traces (OpenTelemetry).
+
+Metrics: time to first token, time per output token, token usage, queue wait, queue depth, requests by
+outcome, retries, breaker state and transitions. Traces: a server span per request (gen_ai.* attributes)
+and a client span per worker attempt. Traces are exported only when configured the standard way:
+OTEL_TRACES_EXPORTER=console|otlp (otlp needs opentelemetry-exporter-otlp; endpoint and headers from
+OTEL_EXPORTER_OTLP_*); otherwise the tracer is OpenTelemetry's no-op and costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+from glm5.errors import ConfigError
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class _LiveState(Collector):
+    """Queue depth and breaker states, read at scrape time (no bookkeeping on the hot path)."""
+
+    def __init__(self, depth: Callable[[], dict[str, int]], breakers: Callable[[], dict[str, str]]) -> None:
+        self.depth = depth
+        self.breakers = breakers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        q = GaugeMetricFamily("glm5_router_queue_depth", "Requests waiting in this router's queues", labels=["lane"])
+        for lane, n in self.depth().items():
+            q.add_metric([lane], n)
+        yield q
+        b = GaugeMetricFamily("glm5_router_breaker_state", "Circuit breaker per worker: 0 closed, 1 half-open, 2 open",
+                              labels=["worker"])  # fmt: skip
+        for worker, state in self.breakers().items():
+            b.add_metric([worker], BREAKER_VALUES[state])
+        yield b
+
+
+class Telemetry:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("glm5_router_time_to_first_token_seconds", "From arrival to the first token",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram("glm5_router_time_per_output_token_seconds", "Mean time per token after the first",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.queue_wait = Histogram("glm5_router_queue_wait_seconds", "From arrival to being sent to a worker",
+                                    buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.tokens = Counter("glm5_router_tokens", "Tokens by type", ["type"], registry=r)
+        self.requests = Counter("glm5_router_requests", "Finished requests by outcome", ["outcome"], registry=r)
+        self.retries = Counter("glm5_router_retries", "Requests retried on another worker", registry=r)
+        self.transitions = Counter("glm5_router_breaker_transitions", "Breaker state changes", ["worker", "to"],
+                                   registry=r)  # fmt: skip
+        self.tracer = trace.get_tracer("glm5.router")
+
+    def watch(self, depth: Callable[[], dict[str, int]], breakers: Callable[[], dict[str, str]]) -> None:
+        self.registry.register(_LiveState(depth, breakers))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def configure_tracing(service_name: str = "glm5-router") -> None:
+    """Install an exporting tracer provider when OTEL_TRACES_EXPORTER asks for one; otherwise do nothing."""
+    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+    if exporter_name in ("", "none"):
+        return
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+    exporter: SpanExporter
+    if exporter_name == "console":
+        exporter = ConsoleSpanExporter()
+    elif exporter_name == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise ConfigError("OTEL_TRACES_EXPORTER=otlp needs: pip install opentelemetry-exporter-otlp") from exc
+        exporter = OTLPSpanExporter()
+    else:
+        raise ConfigError(f"OTEL_TRACES_EXPORTER={exporter_name!r}: this router supports none, console and otlp")
+    name = os.environ.get("OTEL_SERVICE_NAME", service_name)
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)

@@ -1,0 +1,79 @@
+"""Traces (OpenTelemetry, in-memory exporter) and Prometheus metrics of a router running in this process
+against a scripted worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import pytest_asyncio
+from glm5_router.config import RouterConfig
+from glm5_router.server.app import RouterApp, start_router
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers.procs import free_port, start_scripted_worker, stop
+
+pytestmark = pytest.mark.asyncio
+EXPORTER = InMemorySpanExporter()
+
+
+def _install_provider() -> None:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+    trace.set_tracer_provider(provider)  # once per process; the router's tracer resolves through it
+
+
+_install_provider()
+
+
+@pytest_asyncio.fixture
+async def router(tmp_path: Path) -> AsyncIterator[tuple[RouterApp, str]]:
+    proc, worker = start_scripted_worker(tmp_path / "stats.json")
+    app = await start_router(RouterConfig(workers=(worker,), host="127.0.0.1", grpc_port=free_port(),
+                                          http_port=free_port(), stats_interval_s=0.2))  # fmt: skip
+    try:
+        yield app, worker
+    finally:
+        await app.stop(1.0)
+        stop(proc)
+
+
+async def test_spans_and_metrics(router: tuple[RouterApp, str]) -> None:
+    app, worker = router
+    EXPORTER.clear()
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{app.http_port}/v1", api_key="none", max_retries=0)
+    reply = await client.chat.completions.create(model="glm5-scripted", messages=[{"role": "user", "content": "THINK"}],
+                                                 temperature=0.5)  # fmt: skip
+    assert reply.choices[0].message.content == "The answer is 5."
+    spans = {s.name: s for s in EXPORTER.get_finished_spans()}
+    server, client_span = spans["chat glm5-scripted"], spans["glm5.v1.Worker/Generate"]
+    attrs: dict[str, Any] = dict(server.attributes or {})
+    assert server.kind == trace.SpanKind.SERVER and client_span.kind == trace.SpanKind.CLIENT
+    assert attrs["gen_ai.operation.name"] == "chat" and attrs["gen_ai.request.model"] == "glm5-scripted"
+    assert attrs["gen_ai.request.temperature"] == 0.5 and attrs["gen_ai.response.finish_reasons"] == ("stop",)
+    assert attrs["gen_ai.usage.output_tokens"] > 0 and attrs["glm5.worker"] == worker
+    assert client_span.parent is not None and client_span.parent.span_id == server.context.span_id
+    assert dict(client_span.attributes or {})["server.address"] == worker
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{app.http_port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    text = await asyncio.to_thread(scrape)  # the router serves from this event loop
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    assert samples[("glm5_router_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("glm5_router_queue_wait_seconds_count", ())] >= 1
+    assert samples[("glm5_router_tokens_total", (("type", "completion"),))] > 0
+    assert samples[("glm5_router_requests_total", (("outcome", "ok"),))] >= 1
+    assert samples[("glm5_router_breaker_state", (("worker", worker),))] == 0
+    assert ("glm5_router_queue_depth", (("lane", "short"),)) in samples
