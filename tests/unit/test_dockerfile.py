@@ -57,9 +57,10 @@ def test_entrypoint_runs_glm5() -> None:
     entry = ROOT / "docker" / "entrypoint.sh"
     assert os.access(entry, os.X_OK)
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "GLM5_ACCELERATOR": "ascend"}
-    result = subprocess.run([str(entry), "worker", "--help"], capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "--kv-cache-bytes" in result.stdout and "--config" in result.stdout
+    for command, flag in (("worker", "--kv-cache-bytes"), ("router", "--token-budget"), ("operator", "--namespace")):
+        result = subprocess.run([str(entry), command, "--help"], capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert flag in result.stdout
 
 
 SANDBOX = """
