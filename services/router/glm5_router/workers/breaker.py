@@ -41,6 +41,7 @@ class CircuitBreaker:
         self.reason = ""
         self.transitions = 0
         self._calls: collections.deque[tuple[float, bool]] = collections.deque()
+        self._failures = 0  # failed calls in _calls (kept up to date: no scan per call)
         self._over_since: dict[str, float] = {}
         self._open_until = 0.0
         self._open_s = config.open_s
@@ -86,9 +87,10 @@ class CircuitBreaker:
                 self._to(State.CLOSED, f"{self._probe_successes} probes succeeded")
             return
         self._calls.append((now, ok))
+        self._failures += not ok
         self._trim(now)
         if self.state is State.CLOSED and len(self._calls) >= self.config.min_calls:
-            failed = sum(1 for _, good in self._calls if not good)
+            failed = self._failures
             if failed / len(self._calls) >= self.config.error_rate:
                 self._open(now, f"{failed}/{len(self._calls)} calls failed in {self.config.window_s:g}s")
 
@@ -118,11 +120,12 @@ class CircuitBreaker:
 
     def _trim(self, now: float) -> None:
         while self._calls and now - self._calls[0][0] > self.config.window_s:
-            self._calls.popleft()
+            self._failures -= not self._calls.popleft()[1]
 
     def _open(self, now: float, reason: str) -> None:
         self._open_until = now + self._open_s
         self._calls.clear()
+        self._failures = 0
         self._over_since.clear()
         self._to(State.OPEN, reason)
 
