@@ -64,6 +64,9 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             if "FAIL_BEFORE" in prompt or self._control().get("_fail") == "before":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure before the first token")
             script = next((v for k, v in SCRIPTS.items() if k in prompt), [" tok"] * n)
+            tail = prompt.rstrip()
+            if "THINK" in prompt and tail.endswith("</think>") and not tail.endswith("<think></think>"):
+                script = ["The answer ", "is 5."]  # a continuation after forced </think>: answer only
             delay = 0.05 if "SLOW" in prompt else 0.0
             total = 0
             for i, text in enumerate(script):

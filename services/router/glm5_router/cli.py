@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-half-open-share", type=float, default=b.half_open_share)
     p.add_argument("--sm4-key-dir", help="directory of SM4 keys (one file per key id), e.g. a mounted Secret")
     p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
+    p.add_argument("--light-thinking-budget", type=int, default=d.light_thinking_budget,
+                   help="reasoning tokens before light thinking is made to answer")  # fmt: skip
     p.add_argument("--shutdown-grace", type=float, default=10.0)
 
 
@@ -70,7 +72,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         redis_url=redis_url, affinity_load_factor=a.affinity_load_factor, max_retries=a.max_retries,
         retry_backoff_ms=a.retry_backoff_ms, stats_interval_s=a.stats_interval,
         discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,
-        thinking_policy=a.thinking_policy,
+        thinking_policy=a.thinking_policy, light_thinking_budget=a.light_thinking_budget,
     )  # fmt: skip
 
 

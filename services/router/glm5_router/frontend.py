@@ -5,13 +5,14 @@ deltas."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ from glm5.v1 import common_pb2, worker_pb2
 from opentelemetry.trace import SpanKind
 
 from glm5_router.config import RouterConfig
-from glm5_router.parsing.reasoning import THINK_OPEN, ReasoningParser
+from glm5_router.parsing.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
 from glm5_router.parsing.tools import ToolCall, ToolCallError, ToolCallParser, ToolRegistry
 from glm5_router.scheduling.dispatcher import Dispatcher, validate_job_fits
 from glm5_router.scheduling.job import Job, Lane
@@ -101,7 +102,7 @@ class Frontend:
         self.dispatcher = dispatcher
         self.reasoning = ReasoningStore(config.reasoning_cache_entries)
         # Where jobs go: the in-process dispatcher, or the shared Redis queue (set by the app).
-        self.submit: Callable[[Job], AsyncIterator[worker_pb2.GenerateResponse]] = dispatcher.submit
+        self.submit: Callable[[Job], AsyncGenerator[worker_pb2.GenerateResponse, None]] = dispatcher.submit
         self._strip: re.Pattern[str] | None = None
 
     @property
@@ -188,6 +189,8 @@ class Frontend:
         if self.max_model_len:
             validate_job_fits(job, self.max_model_len)
         in_reasoning = text.rstrip().endswith(THINK_OPEN)
+        if thinking == "light":
+            job.reasoning_budget = self.config.light_thinking_budget
         return job, in_reasoning, registry
 
     def _lane(self, prompt_tokens: int) -> Lane:
@@ -274,7 +277,7 @@ class Frontend:
         reasoning_parser = ReasoningParser(in_reasoning)
         tools = ToolCallParser(registry) if registry is not None and registry.tools else None
         reasoning_all, content_all = [], []
-        async for resp in self.submit(job):
+        async for resp in self._generate(job, reasoning_parser):
             split = reasoning_parser.feed(resp.text)
             final = resp.finish_reason != 0
             tail = reasoning_parser.finish() if final else None
@@ -292,6 +295,44 @@ class Frontend:
             yield Delta(resp, reasoning, content, results)
         if session and reasoning_all and "".join(content_all).strip():
             self.reasoning.put(session, "".join(content_all), "".join(reasoning_all))
+
+    async def _generate(self, job: Job, parser: ReasoningParser) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """The worker's stream; with a reasoning budget (light thinking), reasoning that reaches the budget is
+        cut: the stream is cancelled and continued from the same tokens plus `</think>`, so the model has to
+        answer (budget forcing)."""
+        budget = job.reasoning_budget
+        if budget is None:
+            async for resp in self.submit(job):
+                yield resp
+            return
+        spent, generated = 0, []
+        async with contextlib.aclosing(self.submit(job)) as stream:
+            async for resp in stream:
+                if parser.in_reasoning:
+                    spent += len(resp.token_ids)
+                generated += resp.token_ids
+                yield resp
+                if resp.finish_reason or not (parser.in_reasoning and spent >= budget):
+                    continue
+                break
+            else:
+                return  # finished within the budget
+        close = self.tokenizer.encode(THINK_CLOSE)
+        yield worker_pb2.GenerateResponse(request_id=job.id, token_ids=close, text=THINK_CLOSE)
+        left = job.max_new_tokens - len(generated) - len(close)
+        request = worker_pb2.GenerateRequest()
+        request.CopyFrom(job.request)
+        request.prompt_token_ids.extend(generated + close)
+        request.sampling.max_new_tokens = max(1, left)
+        request.request_id = f"{job.id}-answer"
+        cont = Job(request.request_id, request, job.prompt_tokens + len(generated) + len(close), max(1, left),
+                   job.lane, job.deadline, job.affinity_key)  # fmt: skip
+        async for resp in self.submit(cont):
+            if resp.finish_reason:
+                resp.usage.prompt_tokens = job.prompt_tokens
+                resp.usage.completion_tokens += len(generated) + len(close)
+            yield resp
+        job.worker = cont.worker
 
     def _clean(self, text: str) -> str:
         if self._strip is None:

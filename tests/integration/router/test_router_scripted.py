@@ -32,7 +32,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     workers = [start_scripted_worker(f) for f in files]
     router, grpc_target, base = start_router(
         [t for _, t in workers], "--breaker-min-calls", "3", "--breaker-open-seconds", "1",
-        "--breaker-window-seconds", "5", "--retry-backoff-ms", "10", log=tmp / "router.log",
+        "--breaker-window-seconds", "5", "--retry-backoff-ms", "10", "--light-thinking-budget", "2",
+        log=tmp / "router.log",
     )  # fmt: skip
     try:
         yield {
@@ -94,6 +95,22 @@ def test_reasoning_split_streamed_and_whole(client: openai.OpenAI) -> None:
             assert chunk.usage is not None and chunk.usage.completion_tokens > 0
     assert "".join(reasoning) == "I add 2 and 3." and "".join(content) == "The answer is 5."
     assert sum(1 for r in reasoning if r) >= 2  # it really streamed, across the split </think> tag
+
+
+def test_light_thinking_is_cut_at_its_budget(client: openai.OpenAI) -> None:
+    """Budget forcing: after 2 reasoning tokens the router closes </think> and the model must answer."""
+    full = client.chat.completions.create(model="glm5-scripted", messages=[{"role": "user", "content": "THINK"}],
+                                          reasoning_effort="high")  # fmt: skip
+    light = client.chat.completions.create(model="glm5-scripted", messages=[{"role": "user", "content": "THINK"}],
+                                           reasoning_effort="low")  # fmt: skip
+    full_reasoning = (full.choices[0].message.model_extra or {})["reasoning_content"]
+    light_reasoning = (light.choices[0].message.model_extra or {})["reasoning_content"]
+    assert full_reasoning == "I add 2 and 3."
+    assert light_reasoning and full_reasoning.startswith(light_reasoning) and len(light_reasoning) < len(full_reasoning)
+    assert light.choices[0].message.content == "The answer is 5."
+    assert light.usage is not None and full.usage is not None
+    assert light.usage.prompt_tokens == full.usage.prompt_tokens  # the continuation is not billed as prompt
+    assert 0 < light.usage.completion_tokens < full.usage.completion_tokens
 
 
 def test_validated_tool_call(client: openai.OpenAI) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import grpc
@@ -76,7 +76,7 @@ class Dispatcher:
 
     # -- the client side ------------------------------------------------------------------------------
 
-    async def submit(self, job: Job) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def submit(self, job: Job) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         """Queue `job` and stream its responses; raises CapacityError, DeadlineError, UnavailableError or
         WorkerStatusError. The dispatcher only decides when and where; the caller's own coroutine streams
         from the worker, so a token costs no extra hop. Leaving the iteration early cancels the job."""

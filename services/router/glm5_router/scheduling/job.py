@@ -32,6 +32,7 @@ class Job:
     assigned: asyncio.Future[Worker] | None = None
     done: bool = False
     queued: bool = False
+    reasoning_budget: int | None = None  # light thinking: close <think> after this many tokens
     failed_on: set[str] = field(default_factory=set)  # workers that failed it (avoided on retry)
 
     @property

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +94,7 @@ class SharedQueue:
 
     # -- the client side: enqueue (or attach) and relay the result stream -------------------------------
 
-    async def submit(self, job: Job) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def submit(self, job: Job) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         key = f"glm5:req:{job.id}"
         meta = {
             "request": job.request.SerializeToString().hex(), "prompt_tokens": job.prompt_tokens,
