@@ -153,6 +153,24 @@ class DetokenizeResponse(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("version", "location")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCATION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    location: str
+    def __init__(self, version: _Optional[int] = ..., location: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "load_seconds", "swap_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    load_seconds: float
+    swap_seconds: float
+    def __init__(self, version: _Optional[int] = ..., load_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
+
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -65,6 +65,11 @@ class WorkerStub:
                 request_serializer=glm5_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=glm5_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/glm5.v1.Worker/UpdateWeights',
+                request_serializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -113,6 +118,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Loads a checkpoint of the same architecture and swaps it in place between engine steps: no restart,
+        in-flight requests continue (every response carries the version that produced its tokens); the prefix
+        cache is dropped so no later prompt reuses KV computed with the old weights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +159,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=glm5_dot_v1_dot_worker__pb2.GetTokenizerRequest.FromString,
                     response_serializer=glm5_dot_v1_dot_worker__pb2.TokenizerFiles.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +329,33 @@ class Worker:
             '/glm5.v1.Worker/GetTokenizer',
             glm5_dot_v1_dot_worker__pb2.GetTokenizerRequest.SerializeToString,
             glm5_dot_v1_dot_worker__pb2.TokenizerFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glm5.v1.Worker/UpdateWeights',
+            glm5_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
+            glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,6 +23,7 @@ from glm5.model.attention import DSAControls
 from glm5.model.batch import DecodeGroup, ForwardBatch, PrefillChunk
 from glm5.model.config import ModelConfig, RopeConfig
 from glm5.model.loader import load_model, parse_dtype
+from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.model.presets import default_model_path
 from glm5.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -32,6 +33,7 @@ from glm5_worker.engine.scheduler import ScheduledStep, Scheduler
 from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence, TokenLogprob
 from glm5_worker.engine.sparsity import SparsityController
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
+from glm5_worker.engine.weights import swap_in_place
 from glm5_worker.kv.block_manager import BlockManager, KVStats
 from glm5_worker.kv.sizing import auto_bytes, make_layout, plan_pool
 
@@ -236,6 +238,17 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def swap_weights(self, new_model: GlmMoeDsaForCausalLM, version: int) -> float:
+        """Between two steps: copy `new_model`'s weights into the live model and forget cached prefixes.
+        Returns the seconds it took (the pause the running requests see)."""
+        if version <= self.weight_version:
+            raise ConfigError(f"weight version must increase: serving {self.weight_version}, got {version}")
+        start = time.perf_counter()
+        swap_in_place(self.model, new_model)
+        self.blocks.drop_prefix_cache(list(self.requests.values()))
+        self.weight_version = version
+        return time.perf_counter() - start
 
     # the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

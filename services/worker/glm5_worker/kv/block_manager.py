@@ -171,6 +171,18 @@ class BlockManager:
         self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
+    def drop_prefix_cache(self, running: list[SequenceBlocks]) -> None:
+        """New weights: KV computed with the old ones must never be reused by a later prompt. Cached blocks
+        nobody uses go back to the free lists; running sequences keep theirs but stop registering them."""
+        for t in (0, 1):
+            for b in self._evictable[t]:
+                heapq.heappush(self._free[t], b)
+            self._evictable[t].clear()
+        self.cached.clear()
+        self.hash_of = [None] * self.total_blocks
+        for seq in running:
+            seq.num_registered_blocks = 1 << 62  # their later blocks mix old and new weights
+
     def register_full_blocks(self, seq: SequenceBlocks) -> None:
         """Makes the sequence's newly completed blocks findable by later prompts."""
         if not self.prefix_caching:

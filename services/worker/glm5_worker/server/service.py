@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
 import grpc
-from glm5.errors import CapacityError, InvalidRequestError
+from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped
 from glm5_worker.engine.engine import RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
+from glm5_worker.engine.weights import read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         e = engine.engine
         self.default_max_new_tokens = e.config.default_max_new_tokens
+        self._weights_lock = asyncio.Lock()
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -145,6 +150,36 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.TokenizeResponse:
         ids = self.engine.engine.tokenizer.encode(request.text, request.add_special_tokens)
         return worker_pb2.TokenizeResponse(token_ids=ids)
+
+    async def UpdateWeights(
+        self, request: worker_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UpdateWeightsResponse:
+        eng = self.engine.engine
+        async with self._weights_lock:  # one update at a time; versions stay ordered
+            if request.version <= eng.weight_version:
+                served = eng.weight_version
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"version: must be greater than the served {served}, got {request.version}",
+                )
+            start = time.perf_counter()
+            try:
+                new = await asyncio.to_thread(
+                    read_checkpoint,
+                    request.location,
+                    eng.model_config,
+                    eng.dtype,
+                    eng.device,
+                    eng.tokenizer.fingerprint,
+                )
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except (CheckpointError, ConfigError) as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"location: {exc}")
+            load_s = time.perf_counter() - start
+            swap_s = await self.engine.run(functools.partial(eng.swap_weights, new, request.version))
+        log.info("weights v%d from %s: read %.2fs, swap %.3fs", request.version, request.location, load_s, swap_s)
+        return worker_pb2.UpdateWeightsResponse(version=request.version, load_seconds=load_s, swap_seconds=swap_s)
 
     async def GetTokenizer(
         self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext

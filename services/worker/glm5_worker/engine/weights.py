@@ -1,0 +1,53 @@
+"""In-place weight updates (RL weight sync): read the new checkpoint while serving, then copy it into the
+live model between two engine steps."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from glm5.errors import CheckpointError, InvalidRequestError
+from glm5.model.config import ModelConfig
+from glm5.model.loader import load_model
+from glm5.model.model import GlmMoeDsaForCausalLM
+from glm5.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+# Geometry that must match for an in-place swap (everything that shapes a tensor or the KV layout).
+GEOMETRY = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+            "moe_intermediate_size", "intermediate_size", "first_k_dense_replace", "index_n_heads", "index_head_dim",
+            "index_topk")  # fmt: skip
+
+
+def read_checkpoint(
+    location: str, current: ModelConfig, dtype: torch.dtype, device: torch.device, fingerprint: str
+) -> GlmMoeDsaForCausalLM:
+    """The new weights as a model on the serving device (blocking: run it off the engine thread). A checkpoint
+    that ships a tokenizer must ship the served one: token ids would silently change meaning otherwise."""
+    path = Path(location)
+    if not location or not path.is_dir():
+        raise InvalidRequestError("location", f"{location!r} is not a checkpoint directory this worker can read")
+    new_config = ModelConfig.from_file(path)
+    diff = [f"{k}: {getattr(current, k)} -> {getattr(new_config, k)}" for k in GEOMETRY
+            if getattr(current, k, None) != getattr(new_config, k, None)]  # fmt: skip
+    if diff:
+        raise CheckpointError(f"{location} has another geometry than the served model ({'; '.join(diff)})")
+    if (path / "tokenizer.json").is_file() and Tokenizer(path).fingerprint != fingerprint:
+        raise CheckpointError(f"{location} has another tokenizer than the served model (fingerprint differs)")
+    return load_model(path, dtype, device, rope=current.rope)
+
+
+@torch.no_grad()
+def swap_in_place(live: GlmMoeDsaForCausalLM, new: GlmMoeDsaForCausalLM) -> int:
+    """Copies every parameter and buffer of `new` into `live` (same names, shapes, dtypes); returns bytes."""
+    target = {**dict(live.named_parameters()), **dict(live.named_buffers())}
+    source = {**dict(new.named_parameters()), **dict(new.named_buffers())}
+    if set(target) != set(source):
+        raise CheckpointError(f"tensor names differ: {sorted(set(target) ^ set(source))[:4]}")
+    moved = 0
+    for name, tensor in target.items():
+        tensor.copy_(source[name])
+        moved += tensor.numel() * tensor.element_size()
+    return moved

@@ -1,0 +1,87 @@
+"""Worker.UpdateWeights: a new checkpoint swapped in place under load, without a restart or a failed request."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+from glm5.client import sampling
+from glm5.model.presets import init_model
+from glm5.v1 import worker_pb2, worker_pb2_grpc
+
+from tests.helpers.procs import start_worker, stop
+
+FLAGS = ("--max-model-len", "2048", "--kv-cache-bytes", "64MiB", "--block-size", "16")
+PROMPT = " ".join(f"w{i}" for i in range(60))  # several full KV blocks: the prefix cache gets involved
+
+
+async def _greedy(target: str, n: int = 12) -> tuple[list[int], set[int]]:
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        req = worker_pb2.GenerateRequest(
+            prompt=PROMPT, sampling=sampling(max_new_tokens=n, temperature=0, ignore_eos=True)
+        )
+        ids, versions = [], set()
+        async for r in stub.Generate(req, timeout=120):
+            ids += r.token_ids
+            versions.add(r.weight_version)
+        return ids, versions
+
+
+def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path) -> None:
+    new_ckpt = init_model(tmp_path / "tiny-seed1", preset="tiny", seed=1)
+    other_tokenizer = init_model(tmp_path / "tiny-seed2", preset="tiny", seed=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # RL updates keep the tokenizer
+        shutil.copy(tiny_model / name, new_ckpt / name)
+    other = init_model(tmp_path / "shallow", preset="tiny-shallow", seed=0)
+    proc, target = start_worker(tiny_model, *FLAGS)
+    ref_proc, ref_target = start_worker(new_ckpt, *FLAGS)  # what the new weights must produce
+
+    async def go() -> None:
+        before, v0 = await _greedy(target)  # also leaves the prompt's blocks in the prefix cache
+        assert v0 == {0}
+        expected, _ = await _greedy(ref_target)
+        assert expected != before  # the two checkpoints really differ
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            long_req = worker_pb2.GenerateRequest(prompt="keep going",
+                                                  sampling=sampling(max_new_tokens=400, ignore_eos=True))  # fmt: skip
+            stream = stub.Generate(long_req, timeout=300)
+            versions: list[int] = []
+            async for r in stream:  # wait until the long request is well under way
+                versions += [r.weight_version] * len(r.token_ids)
+                if len(versions) >= 20:
+                    break
+            update = stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=7, location=str(new_ckpt)))
+            async for r in stream:  # the in-flight request continues through the swap
+                versions += [r.weight_version] * len(r.token_ids)
+            reply = await update
+            assert reply.version == 7 and reply.swap_seconds < reply.load_seconds + 1
+            assert len(versions) == 400 and versions == sorted(versions)
+            assert versions[0] == 0 and versions[-1] == 7  # tokens tagged with the weights that produced them
+            info = await stub.GetModelInfo(worker_pb2.GetModelInfoRequest())
+            assert info.weight_version == 7
+
+            bad = grpc.StatusCode.FAILED_PRECONDITION
+            for version, location, code, message in [
+                (7, new_ckpt, bad, "greater"),
+                (8, tmp_path / "nope", grpc.StatusCode.INVALID_ARGUMENT, "location"),
+                (8, other, bad, "geometry"),
+                (8, other_tokenizer, bad, "tokenizer"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)))
+                assert err.value.code() == code and message in (err.value.details() or "")
+        after, v1 = await _greedy(target)
+        assert v1 == {7}
+        # Exactly the new checkpoint's output: no KV computed with the old weights was reused from the cache.
+        assert after == expected
+
+    try:
+        asyncio.run(go())
+    finally:
+        stop(proc)
+        stop(ref_proc)
