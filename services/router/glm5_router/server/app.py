@@ -12,10 +12,9 @@ import grpc
 from aiohttp import web
 from glm5.crypto.sm4 import KeyRing
 from glm5.errors import ConfigError
+from glm5.serving import new_server, start_serving
 from glm5.v1 import router_pb2, router_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 from redis.exceptions import RedisError
 
 from glm5_router.config import RouterConfig
@@ -79,19 +78,13 @@ async def start_router(config: RouterConfig) -> RouterApp:
             raise ConfigError(f"--redis-url: cannot reach {config.redis_url}: {exc}") from exc
         frontend.submit = shared.submit
 
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])  # fmt: skip
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(frontend, keys), server)  # type: ignore[no-untyped-call]
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME), server)  # fmt: skip
-    grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
-    if grpc_port == 0:
-        raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server = new_server()
+    service = RouterService(frontend, keys)
+
+    def add(s: grpc.aio.Server) -> None:
+        router_pb2_grpc.add_RouterServicer_to_server(service, s)  # type: ignore[no-untyped-call]
+
+    health, grpc_port = await start_serving(server, SERVICE_NAME, add, config.host, config.grpc_port)
 
     runner = web.AppRunner(OpenAIServer(frontend).app(), access_log=None)
     await runner.setup()

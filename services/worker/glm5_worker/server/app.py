@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from glm5.serving import new_server, start_serving
 from glm5.v1 import worker_pb2, worker_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.async_engine import AsyncEngine
@@ -57,21 +56,13 @@ class WorkerServer:
 
 async def start_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50051) -> WorkerServer:
     engine = AsyncEngine(await asyncio.to_thread(Engine, config))
-    server = grpc.aio.server(
-        interceptors=[RequestIdInterceptor()],
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
-    )
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerService(engine), server)  # type: ignore[no-untyped-call]
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME), server)  # fmt: skip
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server = new_server([RequestIdInterceptor()])
+    service = WorkerService(engine)
+
+    def add(s: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, s)  # type: ignore[no-untyped-call]
+
+    health, bound = await start_serving(server, SERVICE_NAME, add, host, port)
     log.info("worker serving %s on %s:%d", engine.engine.served_model_name, host, bound)
     return WorkerServer(server, engine, health, bound)
 
