@@ -94,6 +94,12 @@ def _router(a: argparse.Namespace) -> None:
     run(a)
 
 
+def _tito(a: argparse.Namespace) -> None:
+    from glm5_tito.app import run
+
+    run(a)
+
+
 def _serve(a: argparse.Namespace) -> None:
     from glm5_cli.serve import run
 
@@ -108,6 +114,7 @@ def _chat(a: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from glm5_router.cli import add_arguments as router_arguments
+    from glm5_tito.app import add_arguments as tito_arguments
     from glm5_worker.cli import add_arguments as worker_arguments
 
     from glm5_cli.serve import add_arguments as serve_arguments
@@ -126,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=int, default=256)
     c.add_argument("--temperature", type=float)
     c.set_defaults(func=_chat)
+
+    t = sub.add_parser("tito-gateway", help="token-in-token-out gateway for RL rollouts over worker engines")
+    tito_arguments(t)
+    _add_config_file(t)
+    t.set_defaults(func=_tito)
 
     r = sub.add_parser("router", help="the front door: gRPC + OpenAI-compatible HTTP over workers")
     router_arguments(r)

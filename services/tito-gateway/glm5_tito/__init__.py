@@ -1,0 +1,1 @@
+"""The token-in-token-out (TITO) gateway for RL rollouts."""

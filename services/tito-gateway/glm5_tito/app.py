@@ -1,0 +1,77 @@
+"""`glm5 tito-gateway`: flags -> GatewayConfig -> gRPC server (health, reflection, graceful stop)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+import grpc
+from glm5.errors import ConfigError
+from glm5.rl.buffer import InProcessBuffer, RedisBuffer, RolloutBuffer
+from glm5.serving import new_server, start_serving
+from glm5.v1 import tito_pb2, tito_pb2_grpc
+
+from glm5_tito.gateway import Gateway, GatewayConfig
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = tito_pb2.DESCRIPTOR.services_by_name["TitoGateway"].full_name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = GatewayConfig(engines=())
+    p.add_argument("--engine", action="append", default=[], help="rollout engine (worker) host:port, repeatable")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50060)
+    p.add_argument("--tokenizer-fingerprint", help="sha256 every engine must report (default: the first engine's)")
+    p.add_argument("--virtual-nodes", type=int, default=d.vnodes, help="ring points per rank")
+    p.add_argument("--virtual-node-reserve", type=float, default=d.virtual_node_reserve)
+    p.add_argument("--load-bound", type=float, default=d.load_bound, help="no rank above ceil(c * load / ranks)")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_s)
+    p.add_argument("--redis-url", help="rollout buffer as a Redis stream (default: in-process)")
+
+
+def config_from_args(a: argparse.Namespace) -> GatewayConfig:
+    if not a.engine:
+        raise ConfigError("the gateway needs rollout engines: --engine host:port (repeatable)")
+    fp = a.tokenizer_fingerprint
+    if fp is not None and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
+        raise ConfigError("--tokenizer-fingerprint must be a sha256 in hex (64 characters)")
+    if a.virtual_nodes < 1 or not 0 <= a.virtual_node_reserve < 1 or a.load_bound < 1:
+        raise ConfigError("--virtual-nodes >= 1, 0 <= --virtual-node-reserve < 1, --load-bound >= 1")
+    return GatewayConfig(engines=tuple(a.engine), tokenizer_fingerprint=fp, vnodes=a.virtual_nodes,
+                         virtual_node_reserve=a.virtual_node_reserve, load_bound=a.load_bound,
+                         heartbeat_s=a.heartbeat_interval)  # fmt: skip
+
+
+async def start_gateway(
+    config: GatewayConfig, buffer: RolloutBuffer, host: str, port: int
+) -> tuple[grpc.aio.Server, Gateway, int]:
+    gateway = Gateway(config, buffer)
+    await gateway.start()
+    server = new_server()
+
+    def add(s: grpc.aio.Server) -> None:
+        tito_pb2_grpc.add_TitoGatewayServicer_to_server(gateway, s)  # type: ignore[no-untyped-call]
+
+    _, bound = await start_serving(server, SERVICE_NAME, add, host, port)
+    log.info("TITO gateway on %s:%d over %s", host, bound, list(config.engines))
+    return server, gateway, bound
+
+
+def run(a: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(a)
+
+    async def main() -> None:
+        buffer: RolloutBuffer = RedisBuffer(a.redis_url) if a.redis_url else InProcessBuffer()
+        server, gateway, _ = await start_gateway(config, buffer, a.host, a.port)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(5.0)
+        await gateway.close()
+
+    asyncio.run(main())

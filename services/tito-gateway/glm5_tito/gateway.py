@@ -1,0 +1,215 @@
+"""The TitoGateway service: rollout ledgers, routing to rollout engines, heartbeats, tokenizer fingerprints,
+and rollout records to the buffer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import grpc
+from glm5.errors import InvalidRequestError
+from glm5.rl.buffer import RolloutBuffer
+from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from glm5_tito.ledger import Ledger
+from glm5_tito.routing import BoundedRing, rollout_key
+
+log = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("context.abort raises")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    engines: tuple[str, ...]
+    tokenizer_fingerprint: str | None = None  # the job's; default: the first engine's
+    vnodes: int = 64
+    virtual_node_reserve: float = 0.2
+    load_bound: float = 1.25
+    heartbeat_s: float = 1.0
+    missed_heartbeats: int = 3  # a rank that misses this many in a row is removed and its rollouts re-homed
+    max_rollouts: int = 100000
+
+
+@dataclass(eq=False)
+class Engine:
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    fingerprint: str = ""
+    missed: int = 0
+    excluded: str = ""
+
+
+@dataclass
+class Gateway(tito_pb2_grpc.TitoGatewayServicer):
+    config: GatewayConfig
+    buffer: RolloutBuffer
+    ring: BoundedRing = field(init=False)
+    engines: dict[str, Engine] = field(default_factory=dict)
+    ledgers: dict[str, Ledger] = field(default_factory=dict)
+    fingerprint: str | None = None
+    _task: asyncio.Task[None] | None = None
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.ring = BoundedRing(c.vnodes, c.virtual_node_reserve, c.load_bound)
+        self.fingerprint = c.tokenizer_fingerprint
+
+    # -- engines and heartbeats -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for address in self.config.engines:
+            channel = grpc.aio.insecure_channel(address)
+            self.engines[address] = Engine(address, channel, worker_pb2_grpc.WorkerStub(channel))  # type: ignore[no-untyped-call]
+        await self._heartbeat_all()
+        self._task = asyncio.create_task(self._heartbeats())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(e.channel.close() for e in self.engines.values()), return_exceptions=True)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            await self._heartbeat_all()
+
+    async def _heartbeat_all(self) -> None:
+        await asyncio.gather(*(self._heartbeat(e) for e in self.engines.values()))
+
+    async def _heartbeat(self, e: Engine) -> None:
+        try:
+            info = await e.stub.GetModelInfo(
+                worker_pb2.GetModelInfoRequest(), timeout=max(0.5, self.config.heartbeat_s)
+            )
+        except grpc.aio.AioRpcError:
+            e.missed += 1
+            if e.missed >= self.config.missed_heartbeats and e.address in self.ring.loads:
+                log.warning("rank %s missed %d heartbeats: removed, its rollouts re-home", e.address, e.missed)
+                self.ring.remove_rank(e.address)
+            return
+        e.missed = 0
+        e.fingerprint = info.tokenizer_fingerprint
+        if self.fingerprint is None:
+            self.fingerprint = e.fingerprint
+        if e.fingerprint != self.fingerprint:
+            if not e.excluded:
+                e.excluded = (f"tokenizer fingerprint {e.fingerprint[:12]}... differs from the job's "
+                              f"{self.fingerprint[:12]}...")  # fmt: skip
+                log.error("rank %s refused: %s", e.address, e.excluded)
+            self.ring.remove_rank(e.address)
+            return
+        if e.address not in self.ring.loads:
+            log.info("rank %s joined", e.address)
+            self.ring.add_rank(e.address)
+            self.ring.rebalance()
+
+    # -- RPCs -----------------------------------------------------------------------------------------
+
+    async def Turn(
+        self, request: tito_pb2.TurnRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tito_pb2.TurnResponse]:
+        if not request.rollout_id:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "rollout_id: required")
+        if not request.context_token_ids:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "context_token_ids: required")
+        ledger = self.ledgers.get(request.rollout_id)
+        if ledger is None:
+            if len(self.ledgers) >= self.config.max_rollouts:
+                await _abort(
+                    context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.config.max_rollouts} rollouts are open"
+                )
+            ledger = Ledger(request.rollout_id, rollout_key(request.rollout_id), request.group_id)
+        elif request.group_id and request.group_id != ledger.group_id:
+            message = f"group_id: rollout {request.rollout_id!r} belongs to group {ledger.group_id!r}"
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, message)
+        try:
+            ledger.extend_context(list(request.context_token_ids))
+        except InvalidRequestError as exc:
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        self.ledgers[request.rollout_id] = ledger
+        for attempt in range(2):  # a rank that vanished: re-home once (the next rank re-prefills)
+            try:
+                rank = self.ring.lookup(ledger.key)
+            except LookupError:
+                await _abort(
+                    context, grpc.StatusCode.UNAVAILABLE, "no rollout engine with the job's tokenizer is available"
+                )
+            ledger.rank = rank
+            engine = self.engines[rank]
+            turn_id = f"{request.rollout_id}-t{len(ledger.turn_versions)}"
+            req = worker_pb2.GenerateRequest(prompt_token_ids=ledger.tokens, sampling=request.sampling,
+                                             return_logprobs=True, request_id=turn_id)  # fmt: skip
+            sent, version = 0, 0
+            try:
+                async for r in engine.stub.Generate(req):
+                    lps = [lp.logprob for lp in r.logprobs]
+                    if r.token_ids:
+                        version = r.weight_version
+                        ledger.add_generated(list(r.token_ids), lps, r.weight_version)
+                        sent += len(r.token_ids)
+                    yield tito_pb2.TurnResponse(token_ids=r.token_ids, logprobs=lps, weight_version=r.weight_version,
+                                                rank=rank, finish_reason=r.finish_reason)  # fmt: skip
+                ledger.turn_versions.append(version)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+                    await _abort(context, exc.code(), exc.details() or "")
+                if sent or attempt:
+                    await _abort(context, grpc.StatusCode.UNAVAILABLE,
+                                        f"rank {rank} failed during the turn ({exc.code().name}); the ledger keeps the "
+                                        f"{sent} tokens already streamed")  # fmt: skip
+                log.warning("rank %s failed before the turn started (%s): re-homing", rank, exc.code().name)
+                self.ring.remove_rank(rank)
+
+    async def FinishRollout(
+        self, request: tito_pb2.FinishRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> tito_pb2.RolloutRecord:
+        ledger = self.ledgers.pop(request.rollout_id, None)
+        if ledger is None:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, f"rollout_id: unknown rollout {request.rollout_id!r}")
+        if request.status == tito_pb2.ROLLOUT_STATUS_UNSPECIFIED:
+            self.ledgers[request.rollout_id] = ledger
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "status: completed, truncated, aborted or failed")
+        self.ring.release(ledger.key)
+        record = self._record(ledger)
+        record.reward, record.status = request.reward, request.status
+        await self.buffer.put(record)
+        return record
+
+    async def GetRollout(
+        self, request: tito_pb2.GetRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> tito_pb2.RolloutRecord:
+        ledger = self.ledgers.get(request.rollout_id)
+        if ledger is None:
+            await _abort(context, grpc.StatusCode.NOT_FOUND, f"rollout_id: unknown rollout {request.rollout_id!r}")
+        return self._record(ledger)
+
+    async def GetRouting(
+        self, request: tito_pb2.GetRoutingRequest, context: grpc.aio.ServicerContext
+    ) -> tito_pb2.RoutingState:
+        ranks = [tito_pb2.RankState(address=a, rollouts=self.ring.loads.get(a, 0), alive=a in self.ring.loads,
+                                    tokenizer_fingerprint=e.fingerprint, excluded=e.excluded)
+                 for a, e in sorted(self.engines.items())]  # fmt: skip
+        return tito_pb2.RoutingState(ranks=ranks, overflow_moves=self.ring.overflow_moves, rehomed=self.ring.rehomed)
+
+    @staticmethod
+    def _record(ledger: Ledger) -> tito_pb2.RolloutRecord:
+        return tito_pb2.RolloutRecord(
+            rollout_id=ledger.rollout_id, rollout_key=ledger.key, group_id=ledger.group_id, token_ids=ledger.tokens,
+            loss_mask=ledger.mask, logprobs=ledger.logprobs, token_versions=ledger.token_versions,
+            turn_versions=ledger.turn_versions, prompt_tokens=ledger.prompt_tokens,
+        )  # fmt: skip
+
+
+__all__ = ["Gateway", "GatewayConfig", "common_pb2"]
