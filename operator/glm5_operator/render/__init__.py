@@ -59,12 +59,13 @@ def rljob_children(
     """Every child of an RLJob; `ref_spec` is the referenced GLM5Deployment's spec when it has a deploymentRef."""
     engines, engine_workers = rl.engines_address(name, namespace, spec, ref_spec)
     settings = rl.rl_settings(name, namespace, spec, engines, engine_workers)
+    gateway = rl.gateway_settings(spec, engines)
     out: list[Child] = []
     if spec.rollout.deployment_ref is None:
         out += worker_children(rl.rollout_instance(name), namespace, rl.rollout_deployment_spec(spec), config)
     out += [
-        Child(rl.rl_config_map(name, namespace, settings)),
-        Child(rl.gateway_deployment(name, namespace, spec, settings, config)),
+        Child(rl.rl_config_map(name, namespace, settings, gateway)),
+        Child(rl.gateway_deployment(name, namespace, spec, gateway, config)),
         Child(rl.gateway_service(name, namespace, spec)),
         Child(rl.trainer_stateful_set(name, namespace, spec, settings, config)),
     ]

@@ -23,7 +23,8 @@ from glm5_operator.render.common import (
 )
 from glm5_operator.render.workers import ACCELERATOR_RESOURCE, worker_address
 
-RL_FILE = "rl.json"
+GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
+TRAINER_FILE = "trainer.json"  # `glm5 trainer --config`
 RL_DIR = "/etc/glm5/rl"
 CHECKPOINT_DIR = "/var/lib/glm5/checkpoints"
 
@@ -66,24 +67,36 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str, engine_
     }
 
 
-def rl_config_map(job: str, namespace: str, settings: dict[str, Any]) -> dict[str, Any]:
+def gateway_settings(spec: RLJobSpec, engines: str) -> dict[str, Any]:
+    """`glm5 tito-gateway` flags."""
+    g = spec.gateway
+    return {
+        "engine-dns": engines,
+        "port": g.port,
+        "virtual-node-reserve": g.virtual_node_reserve,
+        "load-bound": g.load_bound,
+        "tokenizer-fingerprint": g.tokenizer_fingerprint,
+    }
+
+
+def rl_config_map(job: str, namespace: str, settings: dict[str, Any], gateway: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(child_name(job, "rl"), namespace, job, "trainer"),
-        "data": {RL_FILE: flags_file(settings)},
+        "data": {TRAINER_FILE: flags_file(settings), GATEWAY_FILE: flags_file(gateway)},
     }
 
 
 def _pod(
     job: str, component: str, image: str, config: OperatorConfig, args: list[str], settings: dict[str, Any],
-    ports: list[dict[str, Any]], resources: dict[str, Any], probe_port: int | None,
+    ports: list[dict[str, Any]], resources: dict[str, Any], probe_port: int | None, config_file: str,
 ) -> dict[str, Any]:  # fmt: skip
     container: dict[str, Any] = {
         "name": component,
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
-        "args": [*args, "--config", f"{RL_DIR}/{RL_FILE}"],
+        "args": [*args, "--config", f"{RL_DIR}/{config_file}"],
         "ports": ports,
         "resources": resources,
         "volumeMounts": [
@@ -115,7 +128,9 @@ def gateway_deployment(
     g = spec.gateway
     ports = [{"name": "grpc", "containerPort": g.port, "protocol": "TCP"}]
     resources = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
-    template = _pod(job, "gateway", config.image, config, ["tito-gateway"], settings, ports, resources, g.port)
+    template = _pod(
+        job, "gateway", config.image, config, ["tito-gateway"], settings, ports, resources, g.port, GATEWAY_FILE
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -146,7 +161,9 @@ def trainer_stateful_set(
     extended = ACCELERATOR_RESOURCE.get(t.accelerator)
     if extended:
         resources = {"limits": {extended: t.devices}, "requests": {extended: t.devices}}
-    template = _pod(job, "trainer", t.image or config.image, config, ["trainer"], settings, [], resources, None)
+    template = _pod(
+        job, "trainer", t.image or config.image, config, ["trainer"], settings, [], resources, None, TRAINER_FILE
+    )
     template["spec"]["containers"][0]["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
     return {
         "apiVersion": "apps/v1",

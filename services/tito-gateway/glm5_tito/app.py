@@ -22,6 +22,7 @@ SERVICE_NAME = tito_pb2.DESCRIPTOR.services_by_name["TitoGateway"].full_name
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig(engines=())
     p.add_argument("--engine", action="append", default=[], help="rollout engine (worker) host:port, repeatable")
+    p.add_argument("--engine-dns", help="host:port of a headless Service; every A record is a rollout engine")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50060)
     p.add_argument("--tokenizer-fingerprint", help="sha256 every engine must report (default: the first engine's)")
@@ -33,14 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
-    if not a.engine:
-        raise ConfigError("the gateway needs rollout engines: --engine host:port (repeatable)")
+    if not a.engine and not a.engine_dns:
+        raise ConfigError("the gateway needs rollout engines: --engine host:port (repeatable) or --engine-dns")
     fp = a.tokenizer_fingerprint
     if fp is not None and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
         raise ConfigError("--tokenizer-fingerprint must be a sha256 in hex (64 characters)")
     if a.virtual_nodes < 1 or not 0 <= a.virtual_node_reserve < 1 or a.load_bound < 1:
         raise ConfigError("--virtual-nodes >= 1, 0 <= --virtual-node-reserve < 1, --load-bound >= 1")
-    return GatewayConfig(engines=tuple(a.engine), tokenizer_fingerprint=fp, vnodes=a.virtual_nodes,
+    return GatewayConfig(engines=tuple(a.engine), engine_dns=a.engine_dns, tokenizer_fingerprint=fp,
+                         vnodes=a.virtual_nodes,
                          virtual_node_reserve=a.virtual_node_reserve, load_bound=a.load_bound,
                          heartbeat_s=a.heartbeat_interval)  # fmt: skip
 

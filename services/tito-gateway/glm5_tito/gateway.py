@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -28,7 +29,8 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    engines: tuple[str, ...]
+    engines: tuple[str, ...] = ()
+    engine_dns: str | None = None  # host:port of a headless Service: every A record is a rank
     tokenizer_fingerprint: str | None = None  # the job's; default: the first engine's
     vnodes: int = 64
     virtual_node_reserve: float = 0.2
@@ -66,9 +68,6 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
     # -- engines and heartbeats -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        for address in self.config.engines:
-            channel = grpc.aio.insecure_channel(address)
-            self.engines[address] = Engine(address, channel, worker_pb2_grpc.WorkerStub(channel))  # type: ignore[no-untyped-call]
         await self._heartbeat_all()
         self._task = asyncio.create_task(self._heartbeats())
 
@@ -84,7 +83,22 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
             await asyncio.sleep(self.config.heartbeat_s)
             await self._heartbeat_all()
 
+    async def _discover(self) -> None:
+        addresses = set(self.config.engines)
+        if self.config.engine_dns:
+            host, _, port = self.config.engine_dns.rpartition(":")
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                addresses |= {f"{info[4][0]}:{port}" for info in infos}
+            except OSError as exc:
+                log.warning("cannot resolve %s: %s", self.config.engine_dns, exc)
+                addresses |= set(self.engines)  # keep what we had; heartbeats decide
+        for address in addresses - set(self.engines):
+            channel = grpc.aio.insecure_channel(address)
+            self.engines[address] = Engine(address, channel, worker_pb2_grpc.WorkerStub(channel))  # type: ignore[no-untyped-call]
+
     async def _heartbeat_all(self) -> None:
+        await self._discover()
         await asyncio.gather(*(self._heartbeat(e) for e in self.engines.values()))
 
     async def _heartbeat(self, e: Engine) -> None:

@@ -20,7 +20,7 @@ JOB_CHILDREN = [
 
 
 def _rl(cluster: Cluster) -> dict[str, Any]:
-    return dict(yaml.safe_load(cluster.obj("ConfigMap", "rl-rl")["data"]["rl.json"]))
+    return dict(yaml.safe_load(cluster.obj("ConfigMap", "rl-rl")["data"]["trainer.json"]))
 
 
 async def test_deployment_ref_waits_for_the_deployment_then_reuses_its_workers(cluster: Cluster) -> None:

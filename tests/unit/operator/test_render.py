@@ -147,3 +147,19 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
     assert router.breaker.kv_fragmentation == 0.7 and router.breaker.sustained_s == 10
     assert router.sm4_key_dir == "/etc/glm5/sm4" and router.thinking_policy == "deep"
     assert router.default_max_new_tokens == 300
+
+
+def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
+    from glm5_tito.app import config_from_args as gateway_config
+
+    gateway = {"virtualNodeReserve": 0.3, "loadBound": 1.5, "tokenizerFingerprint": "a" * 64}
+    job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {"replicas": 4}}, "dataset": {"uri": "/d"},
+                       "gateway": gateway})  # fmt: skip
+    (cm,) = [c.manifest for c in rljob_children("job", "ml", job, CONFIG, None) if c.name == "job-rl"]
+    path = tmp_path / "gateway.json"
+    path.write_text(cm["data"]["gateway.json"])
+    g = gateway_config(parse_args(["tito-gateway", "--config", str(path)]))
+    assert g.engine_dns == "job-rollout-worker.ml.svc:50051" and g.tokenizer_fingerprint == "a" * 64
+    assert (g.virtual_node_reserve, g.load_bound) == (0.3, 1.5)
+    trainer = yaml.safe_load(cm["data"]["trainer.json"])
+    assert (trainer["eps-low"], trainer["eps-high"]) == (0.15, 0.35)
