@@ -4,8 +4,9 @@
   as they are), so UUID-style ids do not degrade the hash.
 - Each rank owns `vnodes` points on the ring plus a reserve (default 20% more) that `rebalance` switches on
   for under-loaded ranks, so new rollouts drift towards them without moving any running rollout.
-- Bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): no rank above ceil(c * (rollouts + 1) / ranks); a
-  rollout whose point falls on a full rank moves along the ring to the next one with room.
+- Bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): no rank above max(ceil(m / n), floor(c * m / n)) for
+  m = rollouts + 1 over n ranks (the floor keeps max/mean within c); a rollout whose point falls on a full rank
+  moves along the ring to the next one with room.
 - A rollout stays on its rank for all its turns (its prefix is cached there); when a rank goes away its
   rollouts are re-homed on their next turn, which re-prefills.
 """
@@ -100,7 +101,9 @@ class BoundedRing:
             return home
         if not self._points:
             raise LookupError("no rollout engine is available")
-        bound = math.ceil(self.load_factor * (sum(self.loads.values()) + 1) / len(self.loads))
+        # floor(c * load / ranks) keeps max/mean within c; ceil(load / ranks) guarantees there is room.
+        total, n = sum(self.loads.values()) + 1, len(self.loads)
+        bound = max(math.ceil(total / n), math.floor(self.load_factor * total / n))
         start = bisect.bisect(self._points, _mix(key)) % len(self._points)
         tried: set[str] = set()
         for i in range(len(self._points)):

@@ -27,7 +27,7 @@ def test_bounded_load_and_stickiness(ranks: int) -> None:
     keys = [rollout_key(f"rollout-{i}") for i in range(1000)]
     homes = {k: ring.lookup(k) for k in keys}
     loads = Counter(homes.values())
-    assert max(loads.values()) <= math.ceil(1.25 * 1000 / ranks)  # the bound holds for every rank
+    assert max(loads.values()) / (1000 / ranks) <= 1.25  # max/mean within the load factor
     assert all(ring.lookup(k) == homes[k] for k in keys)  # every later turn goes to the same rank
     ring.release(keys[0])
     assert sum(ring.loads.values()) == 999
