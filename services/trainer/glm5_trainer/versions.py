@@ -1,0 +1,91 @@
+"""Weight versions: actor_latest after every optimizer step, actor_synced published as a versioned safetensors
+checkpoint every K steps and at least every sync interval (<= 1800 s), actor_ema kept alongside. Serving and
+rollouts use actor_synced only: `sync_workers` pushes a published version to the workers (UpdateWeights)
+and reports how long it took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from glm5.model.loader import save_checkpoint
+from glm5.model.model import GlmMoeDsaForCausalLM
+from glm5.v1 import worker_pb2, worker_pb2_grpc
+
+MAX_SYNC_INTERVAL_S = 1800.0
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+@dataclass
+class WeightVersions:
+    model: GlmMoeDsaForCausalLM
+    out_dir: Path
+    tokenizer_dir: Path  # the policy checkpoint: its tokenizer ships with every published version
+    sync_every_steps: int = 8
+    sync_interval_s: float = 600.0
+    ema_decay: float = 0.999
+    clock: Callable[[], float] = time.monotonic
+    latest: int = 0  # actor_latest: the optimizer steps taken
+    synced: int = 0  # actor_synced: the last published version
+    ema: dict[str, torch.Tensor] = field(default_factory=dict)
+    _last_sync: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.sync_every_steps < 1 or not 0 < self.sync_interval_s <= MAX_SYNC_INTERVAL_S:
+            raise ValueError(f"sync every >= 1 step and at least every {MAX_SYNC_INTERVAL_S:.0f} s")
+        if not 0 < self.ema_decay < 1:
+            raise ValueError("ema_decay must be in (0, 1)")
+        self.ema = {k: v.detach().float().clone() for k, v in self.model.state_dict().items()}
+        self._last_sync = self.clock()
+
+    def synced_path(self, version: int) -> Path:
+        return self.out_dir / "actor_synced" / f"v{version:06d}"
+
+    @torch.no_grad()
+    def after_step(self) -> Path | None:
+        """Call after every optimizer step: bumps actor_latest, updates actor_ema, and publishes actor_synced
+        when K steps or the sync interval have passed. Returns the published checkpoint, if any."""
+        self.latest += 1
+        for name, value in self.model.state_dict().items():
+            self.ema[name].mul_(self.ema_decay).add_(value.detach().float(), alpha=1 - self.ema_decay)
+        due = (
+            self.latest - self.synced >= self.sync_every_steps or self.clock() - self._last_sync >= self.sync_interval_s
+        )
+        return self.publish() if due else None
+
+    def publish(self) -> Path:
+        """Write actor_synced at the current version (atomically: readers never see half a checkpoint)."""
+        final = self.synced_path(self.latest)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_checkpoint(self.model, tmp)
+        for name in TOKENIZER_FILES:
+            if (self.tokenizer_dir / name).is_file():
+                shutil.copy(self.tokenizer_dir / name, tmp / name)
+        (tmp / "version.json").write_text(json.dumps({"version": self.latest, "ema_decay": self.ema_decay}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        self.synced, self._last_sync = self.latest, self.clock()
+        return final
+
+
+async def sync_workers(workers: list[str], version: int, location: Path, timeout: float = 600.0) -> dict[str, float]:
+    """UpdateWeights on every worker in parallel; returns each worker's wall seconds (raises on a failure)."""
+
+    async def one(address: str) -> tuple[str, float]:
+        start = time.perf_counter()
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
+            await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)),
+                                     timeout=timeout)  # fmt: skip
+        return address, time.perf_counter() - start
+
+    return dict(await asyncio.gather(*(one(w) for w in workers)))
