@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -84,6 +85,15 @@ class Tokenizer:
         h.update(b"\0" + "\n".join(self.special_tokens).encode())
         return h.hexdigest()
 
+    @cached_property
+    def _compiled_template(self) -> Template:
+        """Compiled once: compiling the template is most of the cost of applying it."""
+        assert self.chat_template is not None
+        try:
+            return _compile(self.chat_template)
+        except TemplateError as exc:
+            raise InvalidRequestError("messages", f"chat template does not compile: {exc}") from exc
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -95,12 +105,16 @@ class Tokenizer:
             raise InvalidRequestError("messages", "this model's tokenizer_config.json has no chat_template")
         try:
             return str(
-                _template_env()
-                .from_string(self.chat_template)
-                .render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
+                self._compiled_template.render(
+                    messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+                )
             )
         except TemplateError as exc:
             raise InvalidRequestError("messages", f"chat template failed: {exc}") from exc
+
+
+def _compile(source: str) -> Template:
+    return _template_env().from_string(source)
 
 
 def _raise(message: str) -> None:
