@@ -43,7 +43,7 @@ def encode(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
     prompt = tok.apply_chat_template(messages, enable_thinking=True)
     p_ids = tok.encode(prompt)
     eos = tok.eos_token_ids()[0]
-    a_ids = tok.encode(answer) + [eos]
+    a_ids = [*tok.encode(answer), eos]
     return p_ids + a_ids, [-100] * len(p_ids) + a_ids
 
 
