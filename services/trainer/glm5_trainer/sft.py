@@ -77,11 +77,12 @@ def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_o
         if step % 100 == 0 or step == steps - 1:
             recent = sum(losses[-100:]) / len(losses[-100:])
             print(f"step {step:5d}  loss {recent:.4f}  {time.perf_counter() - start:6.0f}s", flush=True)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     model.save_pretrained(out, safe_serialization=True)
     # transformers writes its own config.json; keep the tokenizer files init_model wrote next to it.
+    final_loss = sum(losses[-100:]) / len(losses[-100:])
     meta = {"task": "addition", "max_operand": max_operand, "held_out": held_out, "seed": seed, "steps": steps,
-            "final_loss": sum(losses[-100:]) / len(losses[-100:]), "train_seconds": time.perf_counter() - start}  # fmt: skip
+            "final_loss": final_loss, "train_seconds": time.perf_counter() - start}  # fmt: skip
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
