@@ -10,7 +10,7 @@ precision, with the INT8 L2 tier (the default), and with an L3 prototype (tokens
 Prompt logits are captured at every position (prefill in 256-token chunks, so later chunks read older
 tokens from the lossy tiers); the table gives max and mean absolute logit drift and argmax changes.
 
-Usage: python benchmarks/kv_tiers.py [--prompt-len 4096] [--model DIR]
+Usage: python benchmarks/kv_tiers.py [--prompt-len 4096] [--model DIR] [--prompt random|addition]
 """
 
 from __future__ import annotations
@@ -96,11 +96,34 @@ def prompt_logits(model: Path, prompt: list[int], l2: bool, l3: bool, dtype: str
     return torch.cat(rec.rows)[: len(prompt) - 1]
 
 
+def addition_chat(model: Path, length: int) -> list[int]:
+    """A multi-turn chat of addition problems with their answers, `length` tokens long."""
+    import random
+
+    from glm5.tokenizer.tokenizer import Tokenizer
+
+    tok, rng, messages = Tokenizer(model), random.Random(0), []
+    while True:
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        answer = {
+            "role": "assistant",
+            "reasoning_content": f"{a} + {b} = {a + b}",
+            "content": f"The answer is {a + b}.",
+        }
+        messages += [{"role": "user", "content": f"What is {a} + {b}?"}, answer]
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
+        if len(ids) >= length:
+            return ids[:length]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--model", help="checkpoint (default: a fresh tiny preset, seed 0)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", choices=["random", "addition"], default="random",
+                    help="random token ids, or a long chat of addition questions and answers (in distribution "
+                    "for the shipped demo model)")  # fmt: skip
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     tiny = ModelConfig(vocab_size=1024, **PRESETS["tiny"])
@@ -112,7 +135,10 @@ def main() -> None:
             l2, l3 = bytes_per_token(config, ctx, True, False), bytes_per_token(config, ctx, True, True)
             print(f"{name:>6} {ctx:>8} {base:>8.0f} {l2:>9.0f} {l2 / base:>6.3f} {l3:>11.0f} {l3 / base:>6.3f}")
     model = Path(a.model) if a.model else init_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
-    prompt = torch.randint(20, 1000, (a.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    if a.prompt == "addition":
+        prompt = addition_chat(model, a.prompt_len)
+    else:
+        prompt = torch.randint(20, 1000, (a.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = prompt_logits(model, prompt, l2=False, l3=False)
     print(
         f"\nlogit drift vs the all-bfloat16 cache, {model.name}, {a.prompt_len}-token prompt, bfloat16 model "

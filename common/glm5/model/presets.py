@@ -97,6 +97,8 @@ def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, vocab_size:
 
 
 DEFAULT_MODEL_NAME = "glm5-tiny-random"
+# The trained demo model that ships with the package (tiny preset, two-number addition; docs/rl.md).
+SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "glm5-tiny-addition"
 
 
 def glm5_home() -> Path:
@@ -104,10 +106,11 @@ def glm5_home() -> Path:
 
 
 def default_model_path() -> Path:
-    """The model served when none is given: the tiny preset with seeded random weights, written on first use.
-
-    It is built, not downloaded, so it is the same on every machine (until a trained default ships).
-    """
+    """The model served when none is given: the shipped demo model (the tiny preset trained on addition), or,
+    where it is absent, the tiny preset with seeded random weights, built on first use (same on every
+    machine)."""
+    if (SHIPPED_MODEL / "config.json").is_file():
+        return SHIPPED_MODEL
     path = glm5_home() / "models" / DEFAULT_MODEL_NAME
     if (path / "config.json").is_file():
         return path
