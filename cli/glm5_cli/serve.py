@@ -29,7 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=50050)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--redis-url", help="share the queue through Redis (default: in-process)")
-    p.add_argument("--thinking-policy", default="auto", choices=["off", "light", "deep", "auto"])
+    p.add_argument(
+        "--thinking-policy",
+        default="deep",
+        choices=["off", "light", "deep", "auto"],
+        help="default reasoning mode (deep: the shipped demo model always reasons before answering)",
+    )
     p.add_argument("--sm4-key-dir", help="accept SM4-GCM sealed gRPC requests with these keys")
     p.add_argument("--worker-arg", action="append", default=[], help="extra `glm5 worker` flag (repeatable), "
                    "e.g. --worker-arg=--max-num-seqs=32")  # fmt: skip
