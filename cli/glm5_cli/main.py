@@ -100,6 +100,12 @@ def _tito(a: argparse.Namespace) -> None:
     run(a)
 
 
+def _demo(a: argparse.Namespace) -> None:
+    from glm5_cli.demo import run
+
+    run(a)
+
+
 def _serve(a: argparse.Namespace) -> None:
     from glm5_cli.serve import run
 
@@ -167,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--health-port", type=int, default=8080, help="serve /healthz on this port (0: off)")
     o.add_argument("--verbose", action="store_true")
     o.set_defaults(func=_operator)
+
+    from glm5_cli.demo import add_arguments as demo_arguments
+
+    d = sub.add_parser("demo-model", help="train the shipped demo model (addition) and measure it")
+    demo_arguments(d)
+    d.set_defaults(func=_demo)
 
     m = sub.add_parser("init-model", help="write a small random-weight GLM-5-architecture checkpoint")
     m.add_argument("--preset", default="tiny")

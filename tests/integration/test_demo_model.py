@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from glm5.model.presets import SHIPPED_MODEL, default_model_path
-from glm5_trainer.sft import evaluate
+from glm5_cli.demo import evaluate
 
 
 def test_shipped_model_is_the_default_and_solves_held_out_additions() -> None:
