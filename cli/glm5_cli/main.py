@@ -106,6 +106,18 @@ def _demo(a: argparse.Namespace) -> None:
     run(a)
 
 
+def _trainer(a: argparse.Namespace) -> None:
+    from glm5_trainer.app import run
+
+    run(a)
+
+
+def _rl(a: argparse.Namespace) -> None:
+    from glm5_cli.rl import run
+
+    run(a)
+
+
 def _serve(a: argparse.Namespace) -> None:
     from glm5_cli.serve import run
 
@@ -144,6 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     tito_arguments(t)
     _add_config_file(t)
     t.set_defaults(func=_tito)
+
+    from glm5_trainer.app import add_arguments as trainer_arguments
+
+    from glm5_cli.rl import add_arguments as rl_arguments
+
+    rl = sub.add_parser("rl", help="the RL loop on this machine: rollout workers, TITO gateway and trainer")
+    rl_arguments(rl)
+    rl.set_defaults(func=_rl)
+
+    tr = sub.add_parser("trainer", help="the RL trainer: rollouts through a TITO gateway, weights to the engines")
+    trainer_arguments(tr)
+    _add_config_file(tr)
+    tr.set_defaults(func=_trainer)
 
     r = sub.add_parser("router", help="the front door: gRPC + OpenAI-compatible HTTP over workers")
     router_arguments(r)

@@ -41,19 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a worker may take to load")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _wait_serving(target: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "worker") -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise ConfigError(f"worker on {target} exited with status {proc.returncode} while loading "
+                raise ConfigError(f"{what} on {target} exited with status {proc.returncode} while loading "
                                   f"(its log is above)")  # fmt: skip
             try:
                 if (
@@ -64,10 +64,10 @@ def _wait_serving(target: str, proc: subprocess.Popen[bytes], timeout: float) ->
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise ConfigError(f"worker on {target} not serving after {timeout:.0f}s (--startup-timeout)")
+    raise ConfigError(f"{what} on {target} not serving after {timeout:.0f}s (--startup-timeout)")
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
+def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -93,20 +93,20 @@ def run(a: argparse.Namespace) -> None:
     targets = []
     try:
         for _ in range(a.workers):
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
                    "--port", str(port), "--device", a.device, *a.worker_arg]  # fmt: skip
             procs.append(subprocess.Popen(cmd, env=os.environ.copy()))
             targets.append(f"127.0.0.1:{port}")
         for target, proc in zip(targets, procs, strict=True):
-            _wait_serving(target, proc, a.startup_timeout)
+            wait_serving(target, proc, a.startup_timeout)
         config = RouterConfig(
             workers=tuple(targets), host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
             redis_url=a.redis_url, thinking_policy=a.thinking_policy, sm4_key_dir=a.sm4_key_dir,
         )  # fmt: skip
         asyncio.run(_serve(config, start_router))
     finally:
-        _stop(procs)
+        stop_processes(procs)
 
 
 async def _serve(config: object, start_router: object) -> None:

@@ -2,8 +2,9 @@
 
 - Malformed records (lengths that disagree, a loss mask outside {0, 1}, no model token) are rejected with the
   reason: the trainer never silently trains on them.
-- Failed environments are excluded; a sample whose oldest turn's weight version is more than `tau` versions
-  behind the current policy is dropped (too stale for the importance-sampling correction).
+- Failed environments are excluded; a sample whose oldest model token's weight version (a turn can span a
+  weight swap) is more than `tau` versions behind the current policy is dropped (too stale for the
+  importance-sampling correction).
 - Groups (GRPO): a group with more than half of its expected samples valid is padded to full size by
   repeating valid samples (in order); otherwise the whole group is dropped.
 Every drop is counted by reason.
@@ -32,6 +33,10 @@ def problems(r: tito_pb2.RolloutRecord) -> list[str]:
     return out
 
 
+def oldest_version(r: tito_pb2.RolloutRecord) -> int:
+    return min(v for v, m in zip(r.token_versions, r.loss_mask, strict=True) if m)
+
+
 @dataclass
 class Selection:
     samples: list[tito_pb2.RolloutRecord] = field(default_factory=list)
@@ -47,7 +52,7 @@ def select(records: list[tito_pb2.RolloutRecord], current_version: int, tau: int
             sel.dropped["malformed"] += 1
         elif r.status == tito_pb2.ROLLOUT_STATUS_FAILED:
             sel.dropped["environment_failed"] += 1
-        elif current_version - min(r.turn_versions) > tau:
+        elif current_version - oldest_version(r) > tau:
             sel.dropped["stale"] += 1
         else:
             groups[r.group_id].append(r)

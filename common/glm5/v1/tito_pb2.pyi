@@ -89,6 +89,20 @@ class RolloutRecord(_message.Message):
     prompt_tokens: int
     def __init__(self, rollout_id: _Optional[str] = ..., rollout_key: _Optional[int] = ..., group_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., token_versions: _Optional[_Iterable[int]] = ..., turn_versions: _Optional[_Iterable[int]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[RolloutStatus, str]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class TakeRolloutsRequest(_message.Message):
+    __slots__ = ("max_records", "timeout_ms")
+    MAX_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    max_records: int
+    timeout_ms: int
+    def __init__(self, max_records: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class TakeRolloutsResponse(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[RolloutRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[RolloutRecord, _Mapping]]] = ...) -> None: ...
+
 class GetRoutingRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

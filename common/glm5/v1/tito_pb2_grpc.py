@@ -57,6 +57,11 @@ class TitoGatewayStub:
                 request_serializer=glm5_dot_v1_dot_tito__pb2.GetRoutingRequest.SerializeToString,
                 response_deserializer=glm5_dot_v1_dot_tito__pb2.RoutingState.FromString,
                 _registered_method=True)
+        self.TakeRollouts = channel.unary_unary(
+                '/glm5.v1.TitoGateway/TakeRollouts',
+                request_serializer=glm5_dot_v1_dot_tito__pb2.TakeRolloutsRequest.SerializeToString,
+                response_deserializer=glm5_dot_v1_dot_tito__pb2.TakeRolloutsResponse.FromString,
+                _registered_method=True)
 
 
 class TitoGatewayServicer:
@@ -95,6 +100,14 @@ class TitoGatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeRollouts(self, request, context):
+        """Takes finished rollout records out of the gateway's buffer (oldest first), waiting up to timeout_ms for
+        the first. How a trainer reads an in-process buffer; with Redis it reads the stream directly.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TitoGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +130,11 @@ def add_TitoGatewayServicer_to_server(servicer, server):
                     servicer.GetRouting,
                     request_deserializer=glm5_dot_v1_dot_tito__pb2.GetRoutingRequest.FromString,
                     response_serializer=glm5_dot_v1_dot_tito__pb2.RoutingState.SerializeToString,
+            ),
+            'TakeRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeRollouts,
+                    request_deserializer=glm5_dot_v1_dot_tito__pb2.TakeRolloutsRequest.FromString,
+                    response_serializer=glm5_dot_v1_dot_tito__pb2.TakeRolloutsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,6 +248,33 @@ class TitoGateway:
             '/glm5.v1.TitoGateway/GetRouting',
             glm5_dot_v1_dot_tito__pb2.GetRoutingRequest.SerializeToString,
             glm5_dot_v1_dot_tito__pb2.RoutingState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glm5.v1.TitoGateway/TakeRollouts',
+            glm5_dot_v1_dot_tito__pb2.TakeRolloutsRequest.SerializeToString,
+            glm5_dot_v1_dot_tito__pb2.TakeRolloutsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,8 +57,8 @@ def rljob_children(
     name: str, namespace: str, spec: RLJobSpec, config: OperatorConfig, ref_spec: GLM5DeploymentSpec | None
 ) -> list[Child]:
     """Every child of an RLJob; `ref_spec` is the referenced GLM5Deployment's spec when it has a deploymentRef."""
-    engines, engine_workers = rl.engines_address(name, namespace, spec, ref_spec)
-    settings = rl.rl_settings(name, namespace, spec, engines, engine_workers)
+    engines, _ = rl.engines_address(name, namespace, spec, ref_spec)
+    settings = rl.rl_settings(name, namespace, spec, engines)
     gateway = rl.gateway_settings(spec, engines)
     out: list[Child] = []
     if spec.rollout.deployment_ref is None:

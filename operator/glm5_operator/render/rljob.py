@@ -40,19 +40,15 @@ def rollout_deployment_spec(spec: RLJobSpec) -> GLM5DeploymentSpec:
     return GLM5DeploymentSpec(model=spec.policy, workers=spec.rollout.workers)
 
 
-def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str, engine_workers: Workers) -> dict[str, Any]:
+def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict[str, Any]:
+    """`glm5 trainer` flags."""
     t, g = spec.trainer, spec.gateway
     eps_low, eps_high = t.trust_region()
     return {
         "job": job,
         "policy": spec.policy.path,
         "engines": engines,
-        "engine-replicas": engine_workers.replicas,
         "gateway": f"{child_name(job, 'gateway')}.{namespace}.svc:{g.port}",
-        "gateway-port": g.port,
-        "virtual-node-reserve": g.virtual_node_reserve,
-        "load-bound": g.load_bound,
-        "tokenizer-fingerprint": g.tokenizer_fingerprint,
         "learning-rate": t.learning_rate,
         "task-preset": t.task_preset,
         "eps-low": eps_low,

@@ -217,6 +217,14 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
                  for a, e in sorted(self.engines.items())]  # fmt: skip
         return tito_pb2.RoutingState(ranks=ranks, overflow_moves=self.ring.overflow_moves, rehomed=self.ring.rehomed)
 
+    async def TakeRollouts(
+        self, request: tito_pb2.TakeRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> tito_pb2.TakeRolloutsResponse:
+        if request.max_records < 1 or request.timeout_ms < 0:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "max_records >= 1 and timeout_ms >= 0 required")
+        records = await self.buffer.take(request.max_records, request.timeout_ms / 1000)
+        return tito_pb2.TakeRolloutsResponse(records=records)
+
     @staticmethod
     def _record(ledger: Ledger) -> tito_pb2.RolloutRecord:
         return tito_pb2.RolloutRecord(

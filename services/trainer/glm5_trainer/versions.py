@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 import torch
 from glm5.model.loader import save_checkpoint
-from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_SYNC_INTERVAL_S = 1800.0
@@ -26,7 +25,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 
 @dataclass
 class WeightVersions:
-    model: GlmMoeDsaForCausalLM
+    model: torch.nn.Module  # our GlmMoeDsaForCausalLM or transformers' (the trainer's autograd model)
     out_dir: Path
     tokenizer_dir: Path  # the policy checkpoint: its tokenizer ships with every published version
     sync_every_steps: int = 8
@@ -66,7 +65,10 @@ class WeightVersions:
         final = self.synced_path(self.latest)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_checkpoint(self.model, tmp)
+        if hasattr(self.model, "save_pretrained"):  # transformers: its own on-disk layout, which we load
+            self.model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            save_checkpoint(self.model, tmp)  # type: ignore[arg-type]
         for name in TOKENIZER_FILES:
             if (self.tokenizer_dir / name).is_file():
                 shutil.copy(self.tokenizer_dir / name, tmp / name)

@@ -8,6 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from glm5.errors import ConfigError
 from glm5_cli.main import parse_args
 from glm5_operator.api import parse_deployment, parse_rljob
 from glm5_operator.config import OperatorConfig
@@ -163,3 +164,12 @@ def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
     assert (g.virtual_node_reserve, g.load_bound) == (0.3, 1.5)
     trainer = yaml.safe_load(cm["data"]["trainer.json"])
     assert (trainer["eps-low"], trainer["eps-high"]) == (0.15, 0.35)
+    # every key is a `glm5 trainer` flag (an unknown one would be a config error at start-up)
+    path.write_text(cm["data"]["trainer.json"])
+    t = parse_args(["trainer", "--config", str(path)])
+    assert (t.policy, t.engines, t.gateway) == ("/m", "job-rollout-worker.ml.svc:50051", "job-gateway.ml.svc:50060")
+    assert (t.eps_low, t.eps_high, t.staleness_limit, t.dataset) == (0.15, 0.35, 4, "/d")
+    from glm5_trainer.app import config_from_args as trainer_config
+
+    with pytest.raises(ConfigError, match="--policy /m: no config.json"):
+        trainer_config(t)

@@ -75,7 +75,7 @@ def _rec(
     rid: str, group: str, versions: list[int], status: int = tito_pb2.ROLLOUT_STATUS_COMPLETED
 ) -> tito_pb2.RolloutRecord:
     return tito_pb2.RolloutRecord(rollout_id=rid, group_id=group, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
-                                  logprobs=[0, -1, -1], token_versions=[0, versions[0], versions[0]],
+                                  logprobs=[0, -1, -1], token_versions=[0, versions[0], versions[-1]],
                                   turn_versions=versions, status=status)  # fmt: skip
 
 

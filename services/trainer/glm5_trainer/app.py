@@ -1,0 +1,89 @@
+"""`glm5 trainer`: flags (or the RLJob's trainer.json through --config) -> RLConfig -> the RL loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from glm5.errors import ConfigError
+
+from glm5_trainer.loop import MODES, Result, RLConfig, RLRun
+from glm5_trainer.loss import PRESETS, TrustRegion
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = RLConfig(policy=Path("."), gateway="", out=Path("."), engines=("x",))
+    # required, but checked in config_from_args: they may come from --config
+    p.add_argument("--policy", help="starting checkpoint (HuggingFace folder with its tokenizer); required")
+    p.add_argument("--gateway", help="host:port of the TITO gateway; required")
+    p.add_argument("--engine", action="append", default=[], help="rollout engine host:port to sync (repeatable)")
+    p.add_argument("--engines", help="host:port of the engines' headless Service (every A record is an engine)")
+    p.add_argument("--checkpoint-dir", default="rl-out", help="versioned checkpoints, history, plot")
+    p.add_argument("--environment", default=d.environment, help="reward environment (addition)")
+    p.add_argument("--dataset", default=d.dataset, help="'builtin' or a JSONL file of problems")
+    p.add_argument("--mode", default=d.mode, choices=MODES)
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--group-size", type=int, default=d.group_size, help="rollouts per problem (GRPO group)")
+    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
+    p.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups, help="async: groups generating")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="rollout sampling temperature")
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    p.add_argument("--task-preset", default="math", choices=[*PRESETS, "custom"], help="trust-region preset")
+    p.add_argument("--eps-low", type=float, help="lower IS-ratio bound (overrides the preset)")
+    p.add_argument("--eps-high", type=float, help="upper IS-ratio bound (overrides the preset)")
+    p.add_argument("--staleness-limit", type=int, default=d.staleness_limit, help="drop samples this many versions old")
+    p.add_argument("--sync-every-steps", type=int, default=d.sync_every_steps, help="publish actor_synced every K")
+    p.add_argument("--sync-interval-seconds", type=float, default=d.sync_interval_s, help="and at least this often")
+    p.add_argument("--ema-decay", type=float, default=d.ema_decay)
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out evaluations")
+    p.add_argument("--eval-size", type=int, default=d.eval_size, help="held-out problems per evaluation")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--redis-url", help="read rollouts from the Redis stream (default: through the gateway)")
+    p.add_argument("--job", default=d.job, help="prefix of rollout ids")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--verbose", action="store_true")
+
+
+def config_from_args(a: argparse.Namespace) -> RLConfig:
+    if not a.policy or not a.gateway:
+        raise ConfigError("the trainer needs --policy (a checkpoint folder) and --gateway (host:port)")
+    policy = Path(a.policy)
+    if not (policy / "config.json").is_file():
+        raise ConfigError(f"--policy {policy}: no config.json (a HuggingFace checkpoint folder is expected)")
+    try:
+        region = TrustRegion.preset(a.task_preset, a.eps_low, a.eps_high)
+        return RLConfig(
+            policy=policy, gateway=a.gateway, out=Path(a.checkpoint_dir), engines=tuple(a.engine),
+            engine_dns=a.engines, environment=a.environment, dataset=a.dataset, mode=a.mode, steps=a.steps,
+            group_size=a.group_size, groups_per_step=a.groups_per_step, max_inflight_groups=a.max_inflight_groups,
+            max_new_tokens=a.max_new_tokens, temperature=a.temperature, learning_rate=a.learning_rate,
+            region=region, staleness_limit=a.staleness_limit, sync_every_steps=a.sync_every_steps,
+            sync_interval_s=a.sync_interval_seconds, ema_decay=a.ema_decay, eval_every=a.eval_every,
+            eval_size=a.eval_size, seed=a.seed, redis_url=a.redis_url, job=a.job, progress=not a.no_progress,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def report(r: Result) -> str:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1%}"
+
+    syncs = sorted(r.sync_seconds)
+    median = syncs[len(syncs) // 2] if syncs else 0.0
+    counters = json.dumps(r.counters, sort_keys=True)
+    return (f"held-out accuracy {pct(r.accuracy_before)} -> {pct(r.accuracy_after)}; {r.trained_samples} samples in "
+            f"{r.train_seconds:.0f}s; {len(syncs)} weight syncs (median {median * 1000:.0f} ms); final version "
+            f"{r.final_version} at {r.final_checkpoint}; counters {counters}")  # fmt: skip
+
+
+def run(a: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    config = config_from_args(a)
+    result = asyncio.run(RLRun(config).run())
+    print(report(result), flush=True)

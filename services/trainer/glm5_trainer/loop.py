@@ -1,0 +1,364 @@
+"""The RL loop: environments drive rollouts through the TITO gateway, finished rollouts reach the trainer through
+the rollout buffer, the trainer steps on selected samples and pushes new weights back to the rollout engines.
+
+- async (default): a producer keeps `max_inflight_groups` GRPO groups generating at all times, with whatever
+  weights the engines hold; the trainer takes complete groups as they finish, drops the ones more than
+  `staleness_limit` versions behind (the importance-sampling loss corrects the rest), and weight syncs happen
+  under load (in-flight requests continue; every token carries the version that produced it).
+- sync: generate `groups_per_step` groups, wait for all, train, sync, repeat (the baseline the benchmark
+  compares against).
+
+Held-out accuracy is measured greedily on the engines (the synced weights) before, during (`eval_every`) and
+after training. `history.jsonl`, `summary.json` and a reward/accuracy plot (`rl.png`) go to the output folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import random
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from glm5.client import WorkerClient, sampling
+from glm5.rl.buffer import RedisBuffer
+from glm5.rl.samples import select
+from glm5.tokenizer.tokenizer import Tokenizer
+from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2
+
+from glm5_trainer.environment import ExactAnswer, Problem, environment, load_problems
+from glm5_trainer.loss import TrustRegion
+from glm5_trainer.policy import Policy, StepStats
+from glm5_trainer.versions import WeightVersions, sync_workers
+
+log = logging.getLogger(__name__)
+MODES = ("async", "sync")
+
+
+@dataclass(frozen=True, slots=True)
+class RLConfig:
+    policy: Path  # the starting checkpoint (its tokenizer is the job's)
+    gateway: str  # host:port of the TITO gateway
+    out: Path  # versioned checkpoints, history, plot
+    engines: tuple[str, ...] = ()  # rollout engines to sync and evaluate on (host:port)
+    engine_dns: str | None = None  # or a headless Service (host:port): every A record is an engine
+    environment: str = "addition"
+    dataset: str = "builtin"
+    mode: str = "async"
+    steps: int = 40
+    group_size: int = 8
+    groups_per_step: int = 8
+    max_inflight_groups: int = 16
+    max_new_tokens: int = 40
+    temperature: float = 1.0
+    learning_rate: float = 1e-4
+    region: TrustRegion = field(default_factory=lambda: TrustRegion.preset("math"))
+    staleness_limit: int = 4
+    sync_every_steps: int = 1
+    sync_interval_s: float = 600.0
+    ema_decay: float = 0.999
+    eval_every: int = 0  # steps between evaluations (0: before and after only)
+    eval_size: int = 200
+    seed: int = 0
+    redis_url: str | None = None  # read the buffer's Redis stream directly (default: through the gateway)
+    job: str = "rl"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in MODES:
+            problems.append(f"mode must be one of {MODES}")
+        if not self.engines and not self.engine_dns:
+            problems.append("rollout engines are needed (engines or engine_dns) to sync weights and evaluate")
+        for name in ("steps", "group_size", "groups_per_step", "max_inflight_groups", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1")
+        if self.group_size < 2:
+            problems.append("group_size must be >= 2 (group-normalised advantages)")
+        if self.temperature <= 0:
+            problems.append("temperature must be > 0 (rollouts sample)")
+        if self.learning_rate <= 0 or self.staleness_limit < 0 or self.eval_every < 0 or self.eval_size < 0:
+            problems.append("learning_rate > 0, staleness_limit >= 0, eval_every >= 0, eval_size >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class Result:
+    accuracy_before: float | None
+    accuracy_after: float | None
+    train_seconds: float  # the loop only (evaluations before and after excluded)
+    trained_samples: int
+    final_version: int
+    final_checkpoint: str
+    counters: dict[str, int]
+    sync_seconds: list[float]
+    history: list[dict[str, Any]]
+
+
+class RLRun:
+    def __init__(self, config: RLConfig) -> None:
+        self.c = config
+        self.env: ExactAnswer = environment(config.environment)
+        self.train_problems, self.eval_problems = load_problems(config.dataset, seed=config.seed)
+        self.tok = Tokenizer(config.policy)
+        self.prompts: dict[str, list[int]] = {}
+        self.policy = Policy(config.policy, config.learning_rate, config.region)
+        self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
+                                       config.sync_interval_s, config.ema_decay)  # fmt: skip
+        self.rng = random.Random(config.seed)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.pending: dict[str, list[tito_pb2.RolloutRecord]] = collections.defaultdict(list)
+        self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
+        self.sync_seconds: list[float] = []
+        self.history: list[dict[str, Any]] = []
+        self.run_id = f"{config.job}-{random.Random().getrandbits(32):08x}"  # rollout ids unique across runs
+        self._groups = 0
+        self.gateway: tito_pb2_grpc.TitoGatewayStub | None = None
+        self._buffer: RedisBuffer | None = None
+
+    # -- rollouts ---------------------------------------------------------------------------------------
+
+    def _prompt(self, p: Problem) -> list[int]:
+        if p.id not in self.prompts:
+            text = self.tok.apply_chat_template(list(p.messages), enable_thinking=True)
+            self.prompts[p.id] = self.tok.encode(text)
+        return self.prompts[p.id]
+
+    async def _rollout(self, p: Problem, group_id: str, rollout_id: str, seed: int) -> bool:
+        assert self.gateway is not None
+        request = tito_pb2.TurnRequest(
+            rollout_id=rollout_id, group_id=group_id, context_token_ids=self._prompt(p),
+            sampling=sampling(temperature=self.c.temperature, max_new_tokens=self.c.max_new_tokens, seed=seed),
+        )  # fmt: skip
+        ids: list[int] = []
+        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        try:
+            async for r in self.gateway.Turn(request):
+                ids.extend(r.token_ids)
+                finish = r.finish_reason or finish
+            truncated = finish == common_pb2.FINISH_REASON_LENGTH
+            status = tito_pb2.ROLLOUT_STATUS_TRUNCATED if truncated else tito_pb2.ROLLOUT_STATUS_COMPLETED
+            reward = self.env.reward(p, self.tok.decode(ids, skip_special_tokens=True))
+        except grpc.aio.AioRpcError as exc:
+            log.warning("rollout %s failed: %s %s", rollout_id, exc.code().name, exc.details())
+            status, reward = tito_pb2.ROLLOUT_STATUS_FAILED, 0.0
+        try:
+            await self.gateway.FinishRollout(
+                tito_pb2.FinishRolloutRequest(rollout_id=rollout_id, reward=reward, status=status)
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("rollout %s: FinishRollout failed: %s", rollout_id, exc.code().name)
+            self.counters["rollouts_lost"] += 1
+            return False
+        self.counters[f"rollouts_{tito_pb2.RolloutStatus.Name(status).removeprefix('ROLLOUT_STATUS_').lower()}"] += 1
+        return True
+
+    async def rollout_group(self) -> None:
+        """One GRPO group: `group_size` rollouts of one problem, spread over ranks by their ids."""
+        self._groups += 1
+        group_id = f"{self.run_id}-g{self._groups}"
+        p = self.rng.choice(self.train_problems)
+        seeds = [self.rng.getrandbits(31) for _ in range(self.c.group_size)]
+        done = await asyncio.gather(*(self._rollout(p, group_id, f"{group_id}-r{i}", s) for i, s in enumerate(seeds)))
+        self.finished_groups[group_id] = sum(done)
+
+    async def _producer(self, stop: asyncio.Event) -> None:
+        slots = asyncio.Semaphore(self.c.max_inflight_groups)
+        running: set[asyncio.Task[None]] = set()
+
+        async def one() -> None:
+            try:
+                await self.rollout_group()
+            finally:
+                slots.release()
+
+        try:
+            while not stop.is_set():
+                await slots.acquire()
+                if stop.is_set():
+                    break
+                task = asyncio.create_task(one())
+                running.add(task)
+                task.add_done_callback(running.discard)
+        finally:
+            # Let the groups in flight finish (their ledgers close cleanly), then stop.
+            if running:
+                await asyncio.wait(running, timeout=120)
+            for task in running:
+                task.cancel()
+
+    # -- the buffer -------------------------------------------------------------------------------------
+
+    async def _take(self, n: int, timeout: float) -> list[tito_pb2.RolloutRecord]:
+        if self._buffer is not None:
+            return await self._buffer.take(n, timeout)
+        assert self.gateway is not None
+        resp = await self.gateway.TakeRollouts(
+            tito_pb2.TakeRolloutsRequest(max_records=n, timeout_ms=int(timeout * 1000))
+        )
+        return list(resp.records)
+
+    async def next_batch(self) -> list[tito_pb2.RolloutRecord]:
+        """`groups_per_step` complete groups that pass selection (stale / failed / malformed samples dropped,
+        groups with more than half valid padded)."""
+        accepted: list[list[tito_pb2.RolloutRecord]] = []
+        while len(accepted) < self.c.groups_per_step:
+            for r in await self._take(256, 0.5):
+                if r.group_id.startswith(self.run_id + "-"):
+                    self.pending[r.group_id].append(r)
+                else:
+                    self.counters["dropped_foreign"] += 1  # another run's record (a shared Redis stream)
+            for gid in list(self.pending):
+                if len(accepted) == self.c.groups_per_step:
+                    break
+                expected = self.finished_groups.get(gid)
+                if expected is None or len(self.pending[gid]) < expected:
+                    continue  # the group is still generating
+                records = self.pending.pop(gid)
+                del self.finished_groups[gid]
+                sel = select(records, self.versions.latest, self.c.staleness_limit, self.c.group_size)
+                self.counters.update({f"dropped_{k}": v for k, v in sel.dropped.items()})
+                self.counters["padded"] += sel.padded
+                if sel.samples:
+                    accepted.append(sel.samples)
+            for gid in [g for g, n in self.finished_groups.items() if n == 0]:
+                del self.finished_groups[gid]  # every rollout of it was lost: nothing will arrive
+        return [r for group in accepted for r in group]
+
+    # -- engines ----------------------------------------------------------------------------------------
+
+    async def engines(self) -> list[str]:
+        addresses = set(self.c.engines)
+        if self.c.engine_dns:
+            host, _, port = self.c.engine_dns.rpartition(":")
+            with contextlib.suppress(OSError):
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                addresses |= {f"{info[4][0]}:{port}" for info in infos}
+        return sorted(addresses)
+
+    async def evaluate(self) -> float | None:
+        """Greedy exact-answer accuracy on the held-out problems, on the engines (the synced weights)."""
+        problems = self.eval_problems[: self.c.eval_size]
+        if not problems:
+            return None
+        clients = [WorkerClient(e) for e in await self.engines()]
+        if not clients:
+            raise RuntimeError("no rollout engine to evaluate on")
+        slots = asyncio.Semaphore(32 * len(clients))
+
+        async def one(i: int, p: Problem) -> float:
+            request = worker_pb2.GenerateRequest(
+                prompt_token_ids=self._prompt(p), skip_special_tokens=True,
+                sampling=sampling(temperature=0.0, max_new_tokens=self.c.max_new_tokens),
+            )  # fmt: skip
+            async with slots:
+                text = "".join([r.text async for r in clients[i % len(clients)].generate(request, timeout=600)])
+            return self.env.reward(p, text)
+
+        try:
+            scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        return sum(scores) / len(scores)
+
+    async def adopt_engines(self) -> None:
+        """Engines that already serve a later version (a restarted trainer, a second run) only accept newer
+        ones: continue numbering above the highest served version, and push the starting policy to them so
+        every engine serves the weights this run's staleness accounting assumes."""
+        served = 0
+        for address in await self.engines():
+            async with WorkerClient(address) as client:
+                served = max(served, (await client.model_info()).weight_version)
+        if served > 0:
+            self.versions.latest = served + 1
+            await self._sync(self.versions.publish())
+            log.info("engines served version %d: the starting policy is version %d", served, self.versions.latest)
+
+    async def _sync(self, path: Path) -> None:
+        times = await sync_workers(await self.engines(), self.versions.synced, path)
+        self.sync_seconds.append(max(times.values(), default=0.0))
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    async def run(self) -> Result:
+        from tqdm import tqdm
+
+        self.c.out.mkdir(parents=True, exist_ok=True)
+        if self.c.redis_url:
+            self._buffer = RedisBuffer(self.c.redis_url)
+        async with grpc.aio.insecure_channel(self.c.gateway) as channel:
+            self.gateway = tito_pb2_grpc.TitoGatewayStub(channel)  # type: ignore[no-untyped-call]
+            await self.adopt_engines()
+            before = await self.evaluate()
+            log.info("held-out accuracy before RL: %s", before)
+            stop = asyncio.Event()
+            producer = asyncio.create_task(self._producer(stop)) if self.c.mode == "async" else None
+            bar = tqdm(total=self.c.steps, desc=f"RL ({self.c.mode})", unit="step", disable=not self.c.progress)
+            start = time.perf_counter()
+            try:
+                for step in range(1, self.c.steps + 1):
+                    if producer is None:
+                        await asyncio.gather(*(self.rollout_group() for _ in range(self.c.groups_per_step)))
+                    elif producer.done():
+                        producer.result()  # raises what stopped it
+                    samples = await self.next_batch()
+                    stats = await asyncio.to_thread(self.policy.step, samples)
+                    await self._after_step(step, stats, samples, start, bar)
+                stop.set()
+                if self.versions.synced < self.versions.latest:
+                    await self._sync(self.versions.publish())
+                train_seconds = time.perf_counter() - start
+            finally:
+                stop.set()
+                bar.close()
+                if producer is not None:
+                    await producer
+            after = await self.evaluate()
+            log.info("held-out accuracy after RL: %s", after)
+        result = Result(
+            accuracy_before=before, accuracy_after=after, train_seconds=train_seconds,
+            trained_samples=self.c.steps * self.c.groups_per_step * self.c.group_size,
+            final_version=self.versions.synced, final_checkpoint=str(self.versions.synced_path(self.versions.synced)),
+            counters=dict(self.counters), sync_seconds=self.sync_seconds, history=self.history,
+        )  # fmt: skip
+        self._write(result)
+        return result
+
+    async def _after_step(
+        self, step: int, stats: StepStats, samples: list[tito_pb2.RolloutRecord], start: float, bar: Any
+    ) -> None:
+        path = self.versions.after_step()
+        if path is not None:
+            await self._sync(path)
+        accuracy = await self.evaluate() if self.c.eval_every and step % self.c.eval_every == 0 else None
+        oldest = min(min(v for v, m in zip(r.token_versions, r.loss_mask, strict=True) if m) for r in samples)
+        row = {"step": step, "seconds": round(time.perf_counter() - start, 3), "version": self.versions.latest,
+               "max_staleness": self.versions.latest - 1 - oldest, **asdict(stats), "accuracy": accuracy,
+               "sync_seconds": self.sync_seconds[-1] if path is not None else None}  # fmt: skip
+        self.history.append(row)
+        postfix = {"reward": f"{stats.reward:.2f}"}
+        if accuracy is not None:
+            postfix["acc"] = f"{accuracy:.1%}"
+        bar.set_postfix(postfix)
+        bar.update(1)
+        log.debug("step %s", row)
+
+    def _write(self, result: Result) -> None:
+        with (self.c.out / "history.jsonl").open("w") as f:
+            for row in result.history:
+                f.write(json.dumps(row) + "\n")
+        summary = {k: v for k, v in asdict(result).items() if k != "history"}
+        summary["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.c).items()}
+        (self.c.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        from glm5_trainer.plot import plot
+
+        plot(result.history, result.accuracy_before, result.accuracy_after, self.c.out / "rl.png",
+             title=f"{self.c.environment} · {self.c.mode} RL")  # fmt: skip

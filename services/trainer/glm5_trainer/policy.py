@@ -1,0 +1,165 @@
+"""The policy being trained: transformers' GlmMoeDsaForCausalLM (the reference implementation our engine
+matches to 1e-4, with the autograd path), its optimizer, and one RL step over selected rollout records.
+
+A step: recompute the log-probs of the rollout tokens under the current weights, group-normalised advantages
+from the rewards, the double-sided importance-sampling loss against the engine's rollout log-probs, the MoE
+expert-balance and router-entropy terms (captured from every router by a forward hook), then non-finite
+gradients zeroed per parameter and adaptive clipping before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from glm5.errors import ConfigError
+from glm5.v1 import tito_pb2
+
+from glm5_trainer.loss import TrustRegion, group_advantages, policy_loss
+from glm5_trainer.stability import adaptive_clip, expert_balance_loss, router_entropy_loss, zero_nonfinite_grads
+
+
+class MalformedBatch(ValueError):
+    """A batch the trainer refuses to train on (it never trains on part of one silently)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    loss: float
+    policy_loss: float
+    aux_loss: float
+    reward: float  # mean over the batch
+    tokens: int  # model tokens
+    kept: int  # inside the trust region
+    clipped_low: int
+    clipped_high: int
+    mismatch: float  # mean |logp_trainer - logp_rollout| over model tokens, before the update
+    nonfinite_grads: int
+    clipped_tensors: int
+
+
+@dataclass
+class Batch:
+    ids: torch.Tensor  # (N, T) right-padded
+    attention: torch.Tensor  # (N, T)
+    mask: torch.Tensor  # (N, T-1): 1 where token t+1 is a model token
+    rollout_logp: torch.Tensor  # (N, T-1)
+    rewards: torch.Tensor  # (N,)
+    groups: torch.Tensor  # (N,)
+
+
+def make_batch(records: list[tito_pb2.RolloutRecord], vocab_size: int) -> Batch:
+    if not records:
+        raise MalformedBatch("empty batch")
+    for r in records:
+        n = len(r.token_ids)
+        if n < 2 or len(r.loss_mask) != n or len(r.logprobs) != n:
+            raise MalformedBatch(f"rollout {r.rollout_id!r}: token ids, loss mask and logprobs must agree (>= 2)")
+        if min(r.token_ids) < 0 or max(r.token_ids) >= vocab_size:
+            raise MalformedBatch(f"rollout {r.rollout_id!r}: a token id outside the vocabulary (0..{vocab_size - 1})")
+        if r.loss_mask[0]:
+            raise MalformedBatch(f"rollout {r.rollout_id!r}: the first token cannot be a model token")
+        if not all(math.isfinite(x) and x <= 1e-4 for x in r.logprobs):
+            raise MalformedBatch(f"rollout {r.rollout_id!r}: logprobs must be finite and <= 0")
+        if not math.isfinite(r.reward):
+            raise MalformedBatch(f"rollout {r.rollout_id!r}: reward is not finite")
+    width = max(len(r.token_ids) for r in records)
+
+    def pad(xs: Any, value: float = 0) -> list[Any]:
+        return [*xs, *([value] * (width - len(xs)))]
+
+    ids = torch.tensor([pad(r.token_ids) for r in records], dtype=torch.long)
+    attention = torch.tensor([pad([1] * len(r.token_ids)) for r in records], dtype=torch.long)
+    mask = torch.tensor([pad(r.loss_mask) for r in records], dtype=torch.float32)[:, 1:]
+    logp = torch.tensor([pad(r.logprobs) for r in records], dtype=torch.float32)[:, 1:]
+    group_index: dict[str, int] = {}
+    groups = torch.tensor([group_index.setdefault(r.group_id, len(group_index)) for r in records])
+    rewards = torch.tensor([r.reward for r in records], dtype=torch.float32)
+    return Batch(ids, attention, mask, logp, rewards, groups)
+
+
+@dataclass
+class Policy:
+    path: Path
+    learning_rate: float = 1e-4
+    region: TrustRegion = field(default_factory=lambda: TrustRegion.preset("math"))
+    balance_weight: float = 0.02
+    entropy_weight: float = 0.005
+    clip_factor: float = 0.85
+    nonfinite: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def __post_init__(self) -> None:
+        try:
+            import transformers
+            from transformers import GlmMoeDsaForCausalLM
+        except ImportError as exc:
+            raise ConfigError("the trainer needs its extra: pip install -e '.[trainer]'") from exc
+        # The lightning indexer's top-k (and MoE routing) must pick the same tokens for the same inputs, or
+        # recomputed log-probs stop matching the engine's: deterministic kernels for the whole trainer.
+        torch.use_deterministic_algorithms(True)
+        transformers.utils.logging.disable_progress_bar()  # one bar per published version is noise
+        self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+        self.model.train()
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=0.0,
+                                           betas=(0.9, 0.98))  # fmt: skip
+        self._routers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for module in self.model.modules():
+            if type(module).__name__.endswith("TopkRouter"):
+                module.register_forward_hook(self._capture_router)
+
+    def _capture_router(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        logits, _, topk_idx = output
+        self._routers.append((logits, topk_idx))
+
+    def token_logprobs(self, batch: Batch) -> torch.Tensor:
+        """(N, T-1) log-probs of each next token under the current weights (with grad)."""
+        self._routers.clear()
+        logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)
+        return logp.gather(-1, batch.ids[:, 1:, None]).squeeze(-1)
+
+    def aux_loss(self, batch: Batch) -> torch.Tensor:
+        """Expert-balance + router-entropy terms, averaged over the MoE layers, over real (unpadded) tokens."""
+        if not self._routers:
+            return torch.zeros(())
+        valid = batch.attention.flatten().bool()
+        total = torch.zeros(())
+        for logits, topk_idx in self._routers:
+            probs = logits[valid].sigmoid()
+            total = total + expert_balance_loss(probs, topk_idx[valid], self.balance_weight)
+            total = total + router_entropy_loss(probs, self.entropy_weight)
+        return total / len(self._routers)
+
+    def step(self, records: list[tito_pb2.RolloutRecord]) -> StepStats:
+        batch = make_batch(records, self.vocab_size)
+        logp = self.token_logprobs(batch)
+        model_tokens = batch.mask.bool()
+        mismatch = float((logp.detach() - batch.rollout_logp).abs()[model_tokens].mean())
+        advantages = group_advantages(batch.rewards, batch.groups)
+        stats = policy_loss(logp, batch.rollout_logp, advantages, batch.mask, self.region)
+        aux = self.aux_loss(batch)
+        loss = stats.loss + aux
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        loss = loss.detach()
+        zeroed = zero_nonfinite_grads(self.model, self.nonfinite)
+        clipped = adaptive_clip(self.model, self.clip_factor)
+        self.optimizer.step()
+        return StepStats(
+            loss=loss.item(), policy_loss=stats.loss.item(), aux_loss=aux.item(), reward=float(batch.rewards.mean()),
+            tokens=int(model_tokens.sum()), kept=stats.kept, clipped_low=stats.clipped_low,
+            clipped_high=stats.clipped_high, mismatch=mismatch, nonfinite_grads=zeroed, clipped_tensors=clipped,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def recompute(self, records: list[tito_pb2.RolloutRecord]) -> list[list[float]]:
+        """The trainer's log-probs of each record's model tokens (what the engine's rollout log-probs must
+        equal under the same weights)."""
+        batch = make_batch(records, self.vocab_size)
+        logp = self.token_logprobs(batch)
+        return [logp[i][batch.mask[i].bool()].tolist() for i in range(len(records))]
