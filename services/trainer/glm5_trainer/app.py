@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eps-low", type=float, help="lower IS-ratio bound (overrides the preset)")
     p.add_argument("--eps-high", type=float, help="upper IS-ratio bound (overrides the preset)")
     p.add_argument("--staleness-limit", type=int, default=d.staleness_limit, help="drop samples this many versions old")
+    p.add_argument("--balance-weight", type=float, default=d.balance_weight, help="MoE expert-balance loss weight")
+    p.add_argument("--entropy-weight", type=float, default=d.entropy_weight, help="router-entropy regulariser weight")
     p.add_argument("--sync-every-steps", type=int, default=d.sync_every_steps, help="publish actor_synced every K")
     p.add_argument("--sync-interval-seconds", type=float, default=d.sync_interval_s, help="and at least this often")
     p.add_argument("--ema-decay", type=float, default=d.ema_decay)
@@ -61,7 +63,8 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             engine_dns=a.engines, environment=a.environment, dataset=a.dataset, mode=a.mode, steps=a.steps,
             group_size=a.group_size, groups_per_step=a.groups_per_step, max_inflight_groups=a.max_inflight_groups,
             max_new_tokens=a.max_new_tokens, temperature=a.temperature, learning_rate=a.learning_rate,
-            region=region, staleness_limit=a.staleness_limit, sync_every_steps=a.sync_every_steps,
+            region=region, staleness_limit=a.staleness_limit, balance_weight=a.balance_weight,
+            entropy_weight=a.entropy_weight, sync_every_steps=a.sync_every_steps,
             sync_interval_s=a.sync_interval_seconds, ema_decay=a.ema_decay, eval_every=a.eval_every,
             eval_size=a.eval_size, seed=a.seed, redis_url=a.redis_url, job=a.job, progress=not a.no_progress,
         )  # fmt: skip

@@ -22,6 +22,7 @@ import logging
 import random
 import socket
 import time
+from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,8 @@ class RLConfig:
     learning_rate: float = 1e-4
     region: TrustRegion = field(default_factory=lambda: TrustRegion.preset("math"))
     staleness_limit: int = 4
+    balance_weight: float = 0.02  # MoE expert-balance loss
+    entropy_weight: float = 0.005  # router-entropy regulariser
     sync_every_steps: int = 1
     sync_interval_s: float = 600.0
     ema_decay: float = 0.999
@@ -110,7 +113,8 @@ class RLRun:
         self.train_problems, self.eval_problems = load_problems(config.dataset, seed=config.seed)
         self.tok = Tokenizer(config.policy)
         self.prompts: dict[str, list[int]] = {}
-        self.policy = Policy(config.policy, config.learning_rate, config.region)
+        self.policy = Policy(config.policy, config.learning_rate, config.region, config.balance_weight,
+                             config.entropy_weight)  # fmt: skip
         self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
                                        config.sync_interval_s, config.ema_decay)  # fmt: skip
         self.rng = random.Random(config.seed)
@@ -120,7 +124,9 @@ class RLRun:
         self.sync_seconds: list[float] = []
         self.history: list[dict[str, Any]] = []
         self.run_id = f"{config.job}-{random.Random().getrandbits(32):08x}"  # rollout ids unique across runs
-        self._groups = 0
+        self._groups = 0  # groups started
+        self.steps_done = 0
+        self._stepped = asyncio.Event()
         self.gateway: tito_pb2_grpc.TitoGatewayStub | None = None
         self._buffer: RedisBuffer | None = None
 
@@ -161,12 +167,16 @@ class RLRun:
         self.counters[f"rollouts_{tito_pb2.RolloutStatus.Name(status).removeprefix('ROLLOUT_STATUS_').lower()}"] += 1
         return True
 
-    async def rollout_group(self) -> None:
-        """One GRPO group: `group_size` rollouts of one problem, spread over ranks by their ids."""
+    def rollout_group(self) -> Coroutine[Any, Any, None]:
+        """One GRPO group: `group_size` rollouts of one problem, spread over ranks by their ids. Numbered and
+        counted when called (not when first scheduled), so the producer's staleness bound sees it at once."""
         self._groups += 1
         group_id = f"{self.run_id}-g{self._groups}"
         p = self.rng.choice(self.train_problems)
         seeds = [self.rng.getrandbits(31) for _ in range(self.c.group_size)]
+        return self._run_group(p, group_id, seeds)
+
+    async def _run_group(self, p: Problem, group_id: str, seeds: list[int]) -> None:
         done = await asyncio.gather(*(self._rollout(p, group_id, f"{group_id}-r{i}", s) for i, s in enumerate(seeds)))
         self.finished_groups[group_id] = sum(done)
 
@@ -174,18 +184,27 @@ class RLRun:
         slots = asyncio.Semaphore(self.c.max_inflight_groups)
         running: set[asyncio.Task[None]] = set()
 
-        async def one() -> None:
+        async def one(group: Coroutine[Any, Any, None]) -> None:
             try:
-                await self.rollout_group()
+                await group
             finally:
                 slots.release()
 
         try:
             while not stop.is_set():
                 await slots.acquire()
+                # Staleness-bounded: group n is trained on at step n // groups_per_step + 1, so starting it
+                # only once that is at most staleness_limit steps away keeps every sample usable (nothing
+                # generated just to be dropped as stale).
+                while (
+                    self._groups >= (self.steps_done + self.c.staleness_limit + 1) * self.c.groups_per_step
+                    and not stop.is_set()
+                ):
+                    self._stepped.clear()
+                    await self._stepped.wait()
                 if stop.is_set():
                     break
-                task = asyncio.create_task(one())
+                task = asyncio.create_task(one(self.rollout_group()))
                 running.add(task)
                 task.add_done_callback(running.discard)
         finally:
@@ -318,6 +337,7 @@ class RLRun:
                 train_seconds = time.perf_counter() - start
             finally:
                 stop.set()
+                self._stepped.set()
                 bar.close()
                 if producer is not None:
                     await producer
@@ -338,6 +358,8 @@ class RLRun:
         path = self.versions.after_step()
         if path is not None:
             await self._sync(path)
+        self.steps_done = step  # after the sync: groups started from now on get the new weights
+        self._stepped.set()
         accuracy = await self.evaluate() if self.c.eval_every and step % self.c.eval_every == 0 else None
         oldest = min(min(v for v, m in zip(r.token_versions, r.loss_mask, strict=True) if m) for r in samples)
         row = {"step": step, "seconds": round(time.perf_counter() - start, 3), "version": self.versions.latest,

@@ -1,0 +1,87 @@
+"""Asynchronous vs synchronous RL loop: wall time for the same number of trained samples on CPU (results in
+docs/benchmarks.md; target: async >= 1.5x faster).
+
+    python -m benchmarks.rl_loop [--model DIR] [--workers 2] [--steps 12] [--rounds 2]
+
+Both loops run the same trainer (transformers' model, the IS loss, a weight sync after every step) against the
+same `glm5 worker` processes behind the TITO gateway (in this process), alternating sync and async runs
+`rounds` times; each run starts from the same checkpoint. sync: generate a batch, wait for all of it, train,
+sync. async: a producer keeps `--inflight` groups generating while the trainer trains and syncs, samples up
+to `--staleness` versions old are used (the importance-sampling loss corrects them). The time is the loop
+only (no evaluation). Medians over rounds; the ratio is sync / async.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from glm5.model.presets import default_model_path
+from glm5.rl.buffer import InProcessBuffer
+from glm5_tito.app import start_gateway
+from glm5_tito.gateway import GatewayConfig
+from glm5_trainer.loop import RLConfig, RLRun
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers.procs import start_worker, stop
+
+
+async def bench(a: argparse.Namespace) -> None:
+    procs = [start_worker(a.model, "--max-model-len", "256", "--kv-cache-bytes", "64MiB") for _ in range(a.workers)]
+    engines = tuple(t for _, t in procs)
+    server, gw, port = await start_gateway(GatewayConfig(engines=engines), InProcessBuffer(), "127.0.0.1", 0)
+    times: dict[str, list[float]] = {"sync": [], "async": []}
+    stale: list[int] = []
+    try:
+        for r in range(a.rounds):
+            for mode in ("sync", "async"):
+                with tempfile.TemporaryDirectory() as out:
+                    config = RLConfig(
+                        policy=a.model, gateway=f"127.0.0.1:{port}", out=Path(out), engines=engines, mode=mode,
+                        steps=a.steps, group_size=a.group_size, groups_per_step=a.groups_per_step,
+                        max_inflight_groups=a.inflight, learning_rate=1e-4, staleness_limit=a.staleness,
+                        eval_size=0, seed=r, progress=False,
+                    )  # fmt: skip
+                    result = await RLRun(config).run()
+                times[mode].append(result.train_seconds)
+                if mode == "async":
+                    stale.append(result.counters.get("dropped_stale", 0))
+                print(f"round {r} {mode:5s}: {result.trained_samples} samples in {result.train_seconds:6.1f}s "
+                      f"({result.trained_samples / result.train_seconds:5.1f} samples/s)", flush=True)  # fmt: skip
+    finally:
+        await server.stop(1)
+        await gw.close()
+        for p, _ in procs:
+            stop(p)
+    samples = a.steps * a.groups_per_step * a.group_size
+    s, y = statistics.median(times["sync"]), statistics.median(times["async"])
+    print(f"\n{a.workers} workers, {a.steps} steps x {a.groups_per_step} groups x {a.group_size} rollouts = {samples} "
+          f"trained samples, {a.rounds} rounds, medians\n")  # fmt: skip
+    print("| loop | wall time (s) | trained samples/s |")
+    print("|---|---:|---:|")
+    print(f"| synchronous | {s:.1f} | {samples / s:.1f} |")
+    print(f"| asynchronous | {y:.1f} | {samples / y:.1f} |")
+    print(f"\nasync speed-up (sync / async): {s / y:.2f}x; stale groups dropped per async run: {stale}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--groups-per-step", type=int, default=8)
+    p.add_argument("--inflight", type=int, default=16, help="async: groups generating at once")
+    p.add_argument("--staleness", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+    a.model = a.model or default_model_path()
+    asyncio.run(bench(a))
+
+
+if __name__ == "__main__":
+    main()
