@@ -20,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-operand", type=int, default=99)
     p.add_argument("--held-out", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-at", type=int, help="stop (and save) at this step of the --steps schedule")
     p.add_argument("--eval-only", action="store_true", help="only measure an existing checkpoint")
 
 
@@ -45,5 +46,5 @@ def evaluate(model_dir: Path, max_operand: int, held_out: int, seed: int, limit:
 
 def run(a: argparse.Namespace) -> None:
     if not a.eval_only:
-        print(json.dumps(train(a.out, a.steps, a.batch, a.lr, a.max_operand, a.held_out, a.seed)))
+        print(json.dumps(train(a.out, a.steps, a.batch, a.lr, a.max_operand, a.held_out, a.seed, a.stop_at)))
     print(f"held-out accuracy: {evaluate(a.out, a.max_operand, a.held_out, a.seed):.1%}")

@@ -34,7 +34,7 @@ def problems(r: tito_pb2.RolloutRecord) -> list[str]:
 
 
 def oldest_version(r: tito_pb2.RolloutRecord) -> int:
-    return min(v for v, m in zip(r.token_versions, r.loss_mask, strict=True) if m)
+    return int(min(v for v, m in zip(r.token_versions, r.loss_mask, strict=True) if m))
 
 
 @dataclass

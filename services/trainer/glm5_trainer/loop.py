@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from glm5.client import WorkerClient, sampling
 from glm5.rl.buffer import RedisBuffer
-from glm5.rl.samples import select
+from glm5.rl.samples import oldest_version, select
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2
 
@@ -361,7 +361,7 @@ class RLRun:
         self.steps_done = step  # after the sync: groups started from now on get the new weights
         self._stepped.set()
         accuracy = await self.evaluate() if self.c.eval_every and step % self.c.eval_every == 0 else None
-        oldest = min(min(v for v, m in zip(r.token_versions, r.loss_mask, strict=True) if m) for r in samples)
+        oldest = min(oldest_version(r) for r in samples)
         row = {"step": step, "seconds": round(time.perf_counter() - start, 3), "version": self.versions.latest,
                "max_staleness": self.versions.latest - 1 - oldest, **asdict(stats), "accuracy": accuracy,
                "sync_seconds": self.sync_seconds[-1] if path is not None else None}  # fmt: skip

@@ -101,7 +101,7 @@ class Policy:
         # The lightning indexer's top-k (and MoE routing) must pick the same tokens for the same inputs, or
         # recomputed log-probs stop matching the engine's: deterministic kernels for the whole trainer.
         torch.use_deterministic_algorithms(True)
-        transformers.utils.logging.disable_progress_bar()  # one bar per published version is noise
+        transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call] # one bar per published version is noise
         self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=torch.float32)
         self.model.train()
         self.vocab_size = int(self.model.config.vocab_size)

@@ -48,7 +48,8 @@ def encode(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
     return p_ids + a_ids, [-100] * len(p_ids) + a_ids
 
 
-def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_out: int, seed: int) -> dict[str, float]:
+def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_out: int, seed: int,
+          stop_at: int | None = None) -> dict[str, float]:  # fmt: skip
     try:
         from transformers import GlmMoeDsaForCausalLM
     except ImportError as exc:
@@ -65,7 +66,7 @@ def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_o
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     rng = random.Random(seed)
     start, losses = time.perf_counter(), []
-    for step in range(steps):
+    for step in range(stop_at or steps):  # stop_at: a mid-schedule checkpoint (not annealed)
         items = rng.sample(data, batch)
         width = max(len(x) for x, _ in items)
         ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in items])
@@ -86,7 +87,8 @@ def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_o
     # transformers writes its own config.json; keep the tokenizer files init_model wrote next to it.
     final_loss = sum(losses[-100:]) / len(losses[-100:])
     meta = {"task": "addition", "max_operand": max_operand, "held_out": held_out, "seed": seed, "steps": steps,
-            "final_loss": final_loss, "train_seconds": time.perf_counter() - start}  # fmt: skip
+            "stopped_at": stop_at or steps, "final_loss": final_loss,
+            "train_seconds": time.perf_counter() - start}  # fmt: skip
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

@@ -66,7 +66,7 @@ class WeightVersions:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         if hasattr(self.model, "save_pretrained"):  # transformers: its own on-disk layout, which we load
-            self.model.save_pretrained(tmp, safe_serialization=True)
+            self.model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
         else:
             save_checkpoint(self.model, tmp)  # type: ignore[arg-type]
         for name in TOKENIZER_FILES:
