@@ -1,11 +1,14 @@
 """Asynchronous vs synchronous RL loop: wall time for the same number of trained samples on CPU (results in
 docs/benchmarks.md; target: async >= 1.5x faster).
 
-    python -m benchmarks.rl_loop [--model DIR] [--workers 2] [--steps 12] [--rounds 2]
+    python -m benchmarks.rl_loop [--model DIR] [--workers 2] [--steps 12] [--rounds 2] [--no-pin]
 
 Both loops run the same trainer (transformers' model, the IS loss, a weight sync after every step) against the
 same `glm5 worker` processes behind the TITO gateway (in this process), alternating sync and async runs
-`rounds` times; each run starts from the same checkpoint. sync: generate a batch, wait for all of it, train,
+`rounds` times; each run starts from the same checkpoint. As in a real job, rollout and training get their
+own devices: with --pin (default) the workers share CPU 0 and the trainer gets CPU 1, one thread each (on a
+2-core machine every process would otherwise compete for the same cores, and there would be no idle device
+for the asynchronous loop to fill). sync: generate a batch, wait for all of it, train,
 sync. async: a producer keeps `--inflight` groups generating while the trainer trains and syncs, samples up
 to `--staleness` versions old are used (the importance-sampling loss corrects them). The time is the loop
 only (no evaluation). Medians over rounds; the ratio is sync / async.
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from glm5.model.presets import default_model_path
 from glm5.rl.buffer import InProcessBuffer
 from glm5_tito.app import start_gateway
@@ -31,7 +36,12 @@ from tests.helpers.procs import start_worker, stop
 
 
 async def bench(a: argparse.Namespace) -> None:
-    procs = [start_worker(a.model, "--max-model-len", "256", "--kv-cache-bytes", "64MiB") for _ in range(a.workers)]
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = a.pin and len(cpus) >= 2
+    if pin:  # rollout device: the first CPU; training device: the second (this process runs the trainer)
+        os.sched_setaffinity(0, {cpus[1]})
+        torch.set_num_threads(1)
+    procs = [start_worker(a.model, {cpus[0]} if pin else None) for _ in range(a.workers)]
     engines = tuple(t for _, t in procs)
     server, gw, port = await start_gateway(GatewayConfig(engines=engines), InProcessBuffer(), "127.0.0.1", 0)
     times: dict[str, list[float]] = {"sync": [], "async": []}
@@ -59,13 +69,14 @@ async def bench(a: argparse.Namespace) -> None:
             stop(p)
     samples = a.steps * a.groups_per_step * a.group_size
     s, y = statistics.median(times["sync"]), statistics.median(times["async"])
-    print(f"\n{a.workers} workers, {a.steps} steps x {a.groups_per_step} groups x {a.group_size} rollouts = {samples} "
-          f"trained samples, {a.rounds} rounds, medians\n")  # fmt: skip
+    where = "pinned: workers on one CPU, trainer on another" if pin else "unpinned"
+    print(f"\n{where}; {a.workers} workers, {a.steps} steps x {a.groups_per_step} groups x {a.group_size} rollouts "
+          f"= {samples} trained samples, {a.rounds} rounds, medians\n")  # fmt: skip
     print("| loop | wall time (s) | trained samples/s |")
     print("|---|---:|---:|")
     print(f"| synchronous | {s:.1f} | {samples / s:.1f} |")
     print(f"| asynchronous | {y:.1f} | {samples / y:.1f} |")
-    print(f"\nasync speed-up (sync / async): {s / y:.2f}x; stale groups dropped per async run: {stale}")
+    print(f"\nasync speed-up (sync / async): {s / y:.2f}x; stale samples dropped per async run: {stale}")
 
 
 def main() -> None:
@@ -78,6 +89,7 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=16, help="async: groups generating at once")
     p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="let every process use every CPU")
     a = p.parse_args()
     a.model = a.model or default_model_path()
     asyncio.run(bench(a))

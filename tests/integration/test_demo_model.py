@@ -4,6 +4,9 @@ and it adds numbers it never saw in training (held-out pairs)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from glm5.model.presets import SHIPPED_MODEL, default_model_path
 from glm5_cli.demo import evaluate
@@ -15,3 +18,20 @@ def test_shipped_model_is_the_default_and_solves_held_out_additions() -> None:
     assert sum(f.stat().st_size for f in SHIPPED_MODEL.iterdir()) <= 20 << 20  # ships in the repository
     accuracy = evaluate(SHIPPED_MODEL, meta["max_operand"], meta["held_out"], meta["seed"], limit=100)
     assert accuracy >= 0.95, accuracy  # 100% on all 500 held-out pairs: see docs/benchmarks.md (g)
+
+
+def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
+    """`glm5 demo-model` with tiny budgets: supervised stage, RL stage through `glm5 rl`, final model copied."""
+    out = tmp_path / "model"
+    cmd = [sys.executable, "-m", "glm5_cli", "demo-model", "--out", str(out), "--steps", "30", "--stop-at", "20",
+           "--batch", "8", "--rl-steps", "2", "--held-out", "16"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((out / "training.json").read_text())
+    assert meta["sft"]["stopped_at"] == 20 and meta["rl"]["steps"] == 2 and meta["rl"]["final_version"] == 2
+    assert 0.0 <= meta["rl"]["accuracy_before"] <= 1.0
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        f.name for f in out.iterdir()
+    }
+    assert (tmp_path / "model.work" / "rl" / "rl.png").is_file()
+    assert evaluate(out, 99, 16, 0) == meta["rl"]["accuracy_after"]  # the copied model is the one RL measured
