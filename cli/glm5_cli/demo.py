@@ -63,7 +63,8 @@ def _rl(sft: Path, work: Path, a: argparse.Namespace) -> dict[str, object]:
     cmd = [sys.executable, "-m", "glm5_cli", "rl", "--model", str(sft), "--workers", "2", "--out", str(out),
            "--steps", str(a.rl_steps), "--learning-rate", str(a.rl_lr), "--seed", str(a.seed),
            "--worker-arg=--kv-cache-bytes=64MiB", "--worker-arg=--max-model-len=256",
-           f"--trainer-arg=--eval-size={a.held_out}", "--trainer-arg=--eval-every=50"]  # fmt: skip
+           f"--trainer-arg=--eval-size={a.held_out}", "--trainer-arg=--eval-every=50",
+           "--trainer-arg=--lr-schedule=cosine"]  # fmt: skip
     if subprocess.run(cmd).returncode:
         raise ConfigError("the RL stage failed (its log is above)")
     summary: dict[str, object] = json.loads((out / "summary.json").read_text())

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="rollout sampling temperature")
     p.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=["constant", "cosine"],
+                   help="cosine: decay to 0 over --steps (a run of known length)")  # fmt: skip
     p.add_argument("--task-preset", default="math", choices=[*PRESETS, "custom"], help="trust-region preset")
     p.add_argument("--eps-low", type=float, help="lower IS-ratio bound (overrides the preset)")
     p.add_argument("--eps-high", type=float, help="upper IS-ratio bound (overrides the preset)")
@@ -63,6 +65,7 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             engine_dns=a.engines, environment=a.environment, dataset=a.dataset, mode=a.mode, steps=a.steps,
             group_size=a.group_size, groups_per_step=a.groups_per_step, max_inflight_groups=a.max_inflight_groups,
             max_new_tokens=a.max_new_tokens, temperature=a.temperature, learning_rate=a.learning_rate,
+            lr_schedule=a.lr_schedule,
             region=region, staleness_limit=a.staleness_limit, balance_weight=a.balance_weight,
             entropy_weight=a.entropy_weight, sync_every_steps=a.sync_every_steps,
             sync_interval_s=a.sync_interval_seconds, ema_decay=a.ema_decay, eval_every=a.eval_every,

@@ -60,6 +60,7 @@ class RLConfig:
     max_new_tokens: int = 40
     temperature: float = 1.0
     learning_rate: float = 1e-4
+    lr_schedule: str = "constant"  # or "cosine": decays to 0 over `steps` (a run of known length)
     region: TrustRegion = field(default_factory=lambda: TrustRegion.preset("math"))
     staleness_limit: int = 4
     balance_weight: float = 0.02  # MoE expert-balance loss
@@ -76,6 +77,8 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if self.lr_schedule not in ("constant", "cosine"):
+            problems.append("lr_schedule must be constant or cosine")
         if self.mode not in MODES:
             problems.append(f"mode must be one of {MODES}")
         if not self.engines and not self.engine_dns:
@@ -114,7 +117,8 @@ class RLRun:
         self.tok = Tokenizer(config.policy)
         self.prompts: dict[str, list[int]] = {}
         self.policy = Policy(config.policy, config.learning_rate, config.region, config.balance_weight,
-                             config.entropy_weight)  # fmt: skip
+                             config.entropy_weight,
+                             total_steps=config.steps if config.lr_schedule == "cosine" else None)  # fmt: skip
         self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
                                        config.sync_interval_s, config.ema_decay)  # fmt: skip
         self.rng = random.Random(config.seed)

@@ -90,6 +90,7 @@ class Policy:
     balance_weight: float = 0.02
     entropy_weight: float = 0.005
     clip_factor: float = 0.85
+    total_steps: int | None = None  # with a cosine schedule: the learning rate decays to 0 over these steps
     nonfinite: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
@@ -107,6 +108,11 @@ class Policy:
         self.vocab_size = int(self.model.config.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=0.0,
                                            betas=(0.9, 0.98))  # fmt: skip
+        self.scheduler = (
+            torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.total_steps)
+            if self.total_steps
+            else None
+        )
         self._routers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for module in self.model.modules():
             if type(module).__name__.endswith("TopkRouter"):
@@ -150,6 +156,8 @@ class Policy:
         zeroed = zero_nonfinite_grads(self.model, self.nonfinite)
         clipped = adaptive_clip(self.model, self.clip_factor)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return StepStats(
             loss=loss.item(), policy_loss=stats.loss.item(), aux_loss=aux.item(), reward=float(batch.rewards.mean()),
             tokens=int(model_tokens.sum()), kept=stats.kept, clipped_low=stats.clipped_low,

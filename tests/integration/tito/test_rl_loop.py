@@ -12,13 +12,13 @@ import pytest
 import pytest_asyncio
 import torch
 from glm5.model.presets import SHIPPED_MODEL
-from glm5.rl.buffer import InProcessBuffer
+from glm5.rl.buffer import STREAM, InProcessBuffer, RedisBuffer
 from glm5.v1 import tito_pb2, tito_pb2_grpc
 from glm5_tito.app import start_gateway
 from glm5_tito.gateway import GatewayConfig
 from glm5_trainer.loop import RLConfig, RLRun
 
-from tests.helpers.procs import start_worker, stop
+from tests.helpers.procs import start_redis, start_worker, stop
 
 FLAGS = ("--max-model-len", "256", "--kv-cache-bytes", "32MiB")
 
@@ -103,3 +103,24 @@ async def test_stale_samples_are_filtered(stack: dict[str, object], tmp_path: Pa
     # pushing its starting policy as version 4
     assert [row["version"] for row in result.history] == [5, 6] and result.final_version == 6
     assert len(result.sync_seconds) == 3 and result.accuracy_before is None
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_trainer_reads_the_redis_stream(stack: dict[str, object], tmp_path: Path) -> None:
+    """With Redis, the gateway writes records to the `glm5:rollouts` stream and the trainer reads it directly;
+    a record of another run in the stream is skipped and counted."""
+    redis_proc, url = start_redis(tmp_path)
+    buffer = RedisBuffer(url)
+    await buffer.put(tito_pb2.RolloutRecord(rollout_id="x", group_id="another-run-g1"))
+    server, gw, port = await start_gateway(GatewayConfig(engines=stack["engines"], heartbeat_s=0.5), buffer,
+                                           "127.0.0.1", 0)  # type: ignore[arg-type]  # fmt: skip
+    try:
+        config = _config({**stack, "gateway": f"127.0.0.1:{port}"}, tmp_path / "out", mode="sync", steps=1,
+                         eval_size=0, redis_url=url)  # fmt: skip
+        result = await RLRun(config).run()
+        assert result.counters["dropped_foreign"] == 1 and result.trained_samples == 2 * 4
+        assert await buffer.redis.xlen(STREAM) == 1 + 2 * 4
+    finally:
+        await server.stop(1)
+        await gw.close()
+        stop(redis_proc)
