@@ -3,10 +3,11 @@ docs/benchmarks.md; target: async >= 1.5x faster).
 
     python -m benchmarks.rl_loop [--model DIR] [--workers 2] [--steps 12] [--rounds 2] [--no-pin]
 
-Both loops run the same trainer (transformers' model, the IS loss, a weight sync after every step) against the
-same `glm5 worker` processes behind the TITO gateway (in this process), alternating sync and async runs
+Both loops run the same trainer (transformers' model, the IS loss, a weight sync after every step; in this
+process) against the same `glm5 worker` processes behind a `glm5 tito-gateway` process, alternating sync and async runs
 `rounds` times; each run starts from the same checkpoint. As in a real job, rollout and training get their
-own devices: with --pin (default) the workers share CPU 0 and the trainer gets CPU 1, one thread each (on a
+own devices: with --pin (default) the workers, the gateway and the asynchronous loop's rollout producer (the
+environments) share CPU 0 and the trainer gets CPU 1, one thread each (on a
 2-core machine every process would otherwise compete for the same cores, and there would be no idle device
 for the asynchronous loop to fill). sync: generate a batch, wait for all of it, train,
 sync. async: a producer keeps `--inflight` groups generating while the trainer trains and syncs, samples up
@@ -20,19 +21,31 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from glm5.model.presets import default_model_path
-from glm5.rl.buffer import InProcessBuffer
-from glm5_tito.app import start_gateway
-from glm5_tito.gateway import GatewayConfig
 from glm5_trainer.loop import RLConfig, RLRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.helpers.procs import start_worker, stop
+from tests.helpers.procs import free_port, stop, wait_serving
+
+
+def start(args: list[str], cpus: set[int] | None) -> tuple[subprocess.Popen[bytes], str]:
+    """`glm5 ARGS --port P` on these CPUs, one thread."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "glm5_cli", *args, "--host", "127.0.0.1", "--port", str(port)]
+    env = os.environ.copy()
+    if cpus is not None:
+        cmd = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *cmd]
+        env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
+    target = f"127.0.0.1:{port}"
+    wait_serving(target, proc=proc)
+    return proc, target
 
 
 async def bench(a: argparse.Namespace) -> None:
@@ -41,30 +54,35 @@ async def bench(a: argparse.Namespace) -> None:
     if pin:  # rollout device: the first CPU; training device: the second (this process runs the trainer)
         os.sched_setaffinity(0, {cpus[1]})
         torch.set_num_threads(1)
-    procs = [start_worker(a.model, {cpus[0]} if pin else None) for _ in range(a.workers)]
+    rollout = {cpus[0]} if pin else None
+    worker = ["worker", "--model", str(a.model), "--max-model-len", "256", "--kv-cache-bytes", "64MiB"]
+    procs = [start(worker, rollout) for _ in range(a.workers)]
     engines = tuple(t for _, t in procs)
-    server, gw, port = await start_gateway(GatewayConfig(engines=engines), InProcessBuffer(), "127.0.0.1", 0)
+    procs.append(start(["tito-gateway", *(f for e in engines for f in ("--engine", e))], rollout))
+    gateway = procs[-1][1]
     times: dict[str, list[float]] = {"sync": [], "async": []}
     stale: list[int] = []
+    keys = ("wait_seconds", "step_seconds", "publish_seconds", "sync_seconds")
+    phases: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in times}
     try:
         for r in range(a.rounds):
             for mode in ("sync", "async"):
                 with tempfile.TemporaryDirectory() as out:
                     config = RLConfig(
-                        policy=a.model, gateway=f"127.0.0.1:{port}", out=Path(out), engines=engines, mode=mode,
+                        policy=a.model, gateway=gateway, out=Path(out), engines=engines, mode=mode,
                         steps=a.steps, group_size=a.group_size, groups_per_step=a.groups_per_step,
                         max_inflight_groups=a.inflight, learning_rate=1e-4, staleness_limit=a.staleness,
-                        eval_size=0, seed=r, progress=False,
+                        eval_size=0, seed=r, progress=False, producer_cpus=(cpus[1],) if pin else (),
                     )  # fmt: skip
                     result = await RLRun(config).run()
                 times[mode].append(result.train_seconds)
+                for key in keys:
+                    phases[mode][key].append(statistics.median(row[key] or 0.0 for row in result.history))
                 if mode == "async":
                     stale.append(result.counters.get("dropped_stale", 0))
                 print(f"round {r} {mode:5s}: {result.trained_samples} samples in {result.train_seconds:6.1f}s "
                       f"({result.trained_samples / result.train_seconds:5.1f} samples/s)", flush=True)  # fmt: skip
     finally:
-        await server.stop(1)
-        await gw.close()
         for p, _ in procs:
             stop(p)
     samples = a.steps * a.groups_per_step * a.group_size
@@ -72,10 +90,12 @@ async def bench(a: argparse.Namespace) -> None:
     where = "pinned: workers on one CPU, trainer on another" if pin else "unpinned"
     print(f"\n{where}; {a.workers} workers, {a.steps} steps x {a.groups_per_step} groups x {a.group_size} rollouts "
           f"= {samples} trained samples, {a.rounds} rounds, medians\n")  # fmt: skip
-    print("| loop | wall time (s) | trained samples/s |")
-    print("|---|---:|---:|")
-    print(f"| synchronous | {s:.1f} | {samples / s:.1f} |")
-    print(f"| asynchronous | {y:.1f} | {samples / y:.1f} |")
+    print("| loop | wall time (s) | trained samples/s | per step (ms): wait for rollouts / train / publish / push |")
+    print("|---|---:|---:|---|")
+    for mode, t in (("synchronous", s), ("asynchronous", y)):
+        ph = phases["sync" if mode == "synchronous" else "async"]
+        cells = " / ".join(f"{statistics.median(ph[k]) * 1000:.0f}" for k in keys)
+        print(f"| {mode} | {t:.1f} | {samples / t:.1f} | {cells} |")
     print(f"\nasync speed-up (sync / async): {s / y:.2f}x; stale samples dropped per async run: {stale}")
 
 

@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-at", type=int, default=3500,
                    help="stop supervised training (and save) at this step of the --steps schedule")  # fmt: skip
-    p.add_argument("--rl-steps", type=int, default=300, help="RL steps after supervised training (0: none)")
+    p.add_argument("--rl-steps", type=int, default=200, help="RL steps after supervised training (0: none)")
     p.add_argument("--rl-lr", type=float, default=1e-4)
+    p.add_argument("--rl-seed", type=int, default=0, help="RL problem order and sampling (the split is --seed's)")
     p.add_argument("--work", type=Path, help="stage folders (default: OUT.work)")
     p.add_argument("--eval-only", action="store_true", help="only measure an existing checkpoint")
 
@@ -61,7 +62,8 @@ def evaluate(model_dir: Path, max_operand: int, held_out: int, seed: int, limit:
 def _rl(sft: Path, work: Path, a: argparse.Namespace) -> dict[str, object]:
     out = work / "rl"
     cmd = [sys.executable, "-m", "glm5_cli", "rl", "--model", str(sft), "--workers", "2", "--out", str(out),
-           "--steps", str(a.rl_steps), "--learning-rate", str(a.rl_lr), "--seed", str(a.seed),
+           "--steps", str(a.rl_steps), "--learning-rate", str(a.rl_lr), "--seed", str(a.rl_seed),
+           f"--trainer-arg=--split-seed={a.seed}",
            "--worker-arg=--kv-cache-bytes=64MiB", "--worker-arg=--max-model-len=256",
            f"--trainer-arg=--eval-size={a.held_out}", "--trainer-arg=--eval-every=50",
            "--trainer-arg=--lr-schedule=cosine"]  # fmt: skip
@@ -92,9 +94,10 @@ def run(a: argparse.Namespace) -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     for f in final.iterdir():
         if f.is_file() and f.name != "version.json":
-            shutil.copy(f, a.out / f.name)
+            shutil.copyfile(f, a.out / f.name)  # not the 0600 mode transformers writes
     kept = ("accuracy_before", "accuracy_after", "train_seconds", "final_version")
-    meta["rl"] = {"steps": a.rl_steps, "learning_rate": a.rl_lr, "seed": a.seed, **{k: summary[k] for k in kept}}
+    meta["rl"] = {"steps": a.rl_steps, "learning_rate": a.rl_lr, "lr_schedule": "cosine", "seed": a.rl_seed,
+                  **{k: summary[k] for k in kept}}
     (a.out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"held-out accuracy: SFT {summary['accuracy_before']:.1%} -> RL {summary['accuracy_after']:.1%}; the model "
           f"is in {a.out}, the RL run (history, rl.png) in {work / 'rl'}")  # fmt: skip

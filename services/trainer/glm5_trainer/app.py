@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema-decay", type=float, default=d.ema_decay)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out evaluations")
     p.add_argument("--eval-size", type=int, default=d.eval_size, help="held-out problems per evaluation")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="problem order and rollout sampling")
+    p.add_argument("--split-seed", type=int, default=d.split_seed,
+                   help="train/held-out split of --dataset builtin: the supervised stage's seed")  # fmt: skip
     p.add_argument("--redis-url", help="read rollouts from the Redis stream (default: through the gateway)")
     p.add_argument("--job", default=d.job, help="prefix of rollout ids")
     p.add_argument("--no-progress", action="store_true")
@@ -69,7 +71,8 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             region=region, staleness_limit=a.staleness_limit, balance_weight=a.balance_weight,
             entropy_weight=a.entropy_weight, sync_every_steps=a.sync_every_steps,
             sync_interval_s=a.sync_interval_seconds, ema_decay=a.ema_decay, eval_every=a.eval_every,
-            eval_size=a.eval_size, seed=a.seed, redis_url=a.redis_url, job=a.job, progress=not a.no_progress,
+            eval_size=a.eval_size, seed=a.seed, split_seed=a.split_seed, redis_url=a.redis_url, job=a.job,
+            progress=not a.no_progress,
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

@@ -31,12 +31,12 @@ import grpc
 from glm5.client import WorkerClient, sampling
 from glm5.rl.buffer import RedisBuffer
 from glm5.rl.samples import oldest_version, select
-from glm5.tokenizer.tokenizer import Tokenizer
-from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2
+from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
-from glm5_trainer.environment import ExactAnswer, Problem, environment, load_problems
+from glm5_trainer.environment import Problem
 from glm5_trainer.loss import TrustRegion
 from glm5_trainer.policy import Policy, StepStats
+from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
 from glm5_trainer.versions import WeightVersions, sync_workers
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class RLConfig:
     group_size: int = 8
     groups_per_step: int = 8
     max_inflight_groups: int = 16
+    producer_cpus: tuple[int, ...] = ()  # async: pin the rollout producer process to these CPUs
     max_new_tokens: int = 40
     temperature: float = 1.0
     learning_rate: float = 1e-4
@@ -70,7 +71,9 @@ class RLConfig:
     ema_decay: float = 0.999
     eval_every: int = 0  # steps between evaluations (0: before and after only)
     eval_size: int = 200
-    seed: int = 0
+    seed: int = 0  # problem order and rollout sampling
+    split_seed: int = 0  # the built-in dataset's train/held-out split: the supervised stage's seed, so the
+    # held-out problems stay unseen by both stages
     redis_url: str | None = None  # read the buffer's Redis stream directly (default: through the gateway)
     job: str = "rl"
     progress: bool = True
@@ -112,111 +115,32 @@ class Result:
 class RLRun:
     def __init__(self, config: RLConfig) -> None:
         self.c = config
-        self.env: ExactAnswer = environment(config.environment)
-        self.train_problems, self.eval_problems = load_problems(config.dataset, seed=config.seed)
-        self.tok = Tokenizer(config.policy)
-        self.prompts: dict[str, list[int]] = {}
+        self.run_id = f"{config.job}-{random.Random().getrandbits(32):08x}"  # rollout ids unique across runs
+        self.driver = RolloutDriver(config, self.run_id, self._group_finished)
+        self.env, self.eval_problems = self.driver.env, self.driver.eval_problems
         self.policy = Policy(config.policy, config.learning_rate, config.region, config.balance_weight,
                              config.entropy_weight,
                              total_steps=config.steps if config.lr_schedule == "cosine" else None)  # fmt: skip
         self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
                                        config.sync_interval_s, config.ema_decay)  # fmt: skip
-        self.rng = random.Random(config.seed)
         self.counters: collections.Counter[str] = collections.Counter()
         self.pending: dict[str, list[tito_pb2.RolloutRecord]] = collections.defaultdict(list)
         self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
         self.sync_seconds: list[float] = []
         self.history: list[dict[str, Any]] = []
-        self.run_id = f"{config.job}-{random.Random().getrandbits(32):08x}"  # rollout ids unique across runs
-        self._groups = 0  # groups started
-        self.steps_done = 0
-        self._stepped = asyncio.Event()
+        self._pushing: asyncio.Task[None] | None = None
         self.gateway: tito_pb2_grpc.TitoGatewayStub | None = None
         self._buffer: RedisBuffer | None = None
+        self._producer: ProducerProcess | None = None
 
-    # -- rollouts ---------------------------------------------------------------------------------------
-
-    def _prompt(self, p: Problem) -> list[int]:
-        if p.id not in self.prompts:
-            text = self.tok.apply_chat_template(list(p.messages), enable_thinking=True)
-            self.prompts[p.id] = self.tok.encode(text)
-        return self.prompts[p.id]
-
-    async def _rollout(self, p: Problem, group_id: str, rollout_id: str, seed: int) -> bool:
-        assert self.gateway is not None
-        request = tito_pb2.TurnRequest(
-            rollout_id=rollout_id, group_id=group_id, context_token_ids=self._prompt(p),
-            sampling=sampling(temperature=self.c.temperature, max_new_tokens=self.c.max_new_tokens, seed=seed),
-        )  # fmt: skip
-        ids: list[int] = []
-        finish = common_pb2.FINISH_REASON_UNSPECIFIED
-        try:
-            async for r in self.gateway.Turn(request):
-                ids.extend(r.token_ids)
-                finish = r.finish_reason or finish
-            truncated = finish == common_pb2.FINISH_REASON_LENGTH
-            status = tito_pb2.ROLLOUT_STATUS_TRUNCATED if truncated else tito_pb2.ROLLOUT_STATUS_COMPLETED
-            reward = self.env.reward(p, self.tok.decode(ids, skip_special_tokens=True))
-        except grpc.aio.AioRpcError as exc:
-            log.warning("rollout %s failed: %s %s", rollout_id, exc.code().name, exc.details())
-            status, reward = tito_pb2.ROLLOUT_STATUS_FAILED, 0.0
-        try:
-            await self.gateway.FinishRollout(
-                tito_pb2.FinishRolloutRequest(rollout_id=rollout_id, reward=reward, status=status)
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("rollout %s: FinishRollout failed: %s", rollout_id, exc.code().name)
-            self.counters["rollouts_lost"] += 1
-            return False
-        self.counters[f"rollouts_{tito_pb2.RolloutStatus.Name(status).removeprefix('ROLLOUT_STATUS_').lower()}"] += 1
-        return True
+    def _group_finished(self, group_id: str, records: int) -> None:
+        self.finished_groups[group_id] = records
 
     def rollout_group(self) -> Coroutine[Any, Any, None]:
-        """One GRPO group: `group_size` rollouts of one problem, spread over ranks by their ids. Numbered and
-        counted when called (not when first scheduled), so the producer's staleness bound sees it at once."""
-        self._groups += 1
-        group_id = f"{self.run_id}-g{self._groups}"
-        p = self.rng.choice(self.train_problems)
-        seeds = [self.rng.getrandbits(31) for _ in range(self.c.group_size)]
-        return self._run_group(p, group_id, seeds)
-
-    async def _run_group(self, p: Problem, group_id: str, seeds: list[int]) -> None:
-        done = await asyncio.gather(*(self._rollout(p, group_id, f"{group_id}-r{i}", s) for i, s in enumerate(seeds)))
-        self.finished_groups[group_id] = sum(done)
-
-    async def _producer(self, stop: asyncio.Event) -> None:
-        slots = asyncio.Semaphore(self.c.max_inflight_groups)
-        running: set[asyncio.Task[None]] = set()
-
-        async def one(group: Coroutine[Any, Any, None]) -> None:
-            try:
-                await group
-            finally:
-                slots.release()
-
-        try:
-            while not stop.is_set():
-                await slots.acquire()
-                # Staleness-bounded: group n is trained on at step n // groups_per_step + 1, so starting it
-                # only once that is at most staleness_limit steps away keeps every sample usable (nothing
-                # generated just to be dropped as stale).
-                while (
-                    self._groups >= (self.steps_done + self.c.staleness_limit + 1) * self.c.groups_per_step
-                    and not stop.is_set()
-                ):
-                    self._stepped.clear()
-                    await self._stepped.wait()
-                if stop.is_set():
-                    break
-                task = asyncio.create_task(one(self.rollout_group()))
-                running.add(task)
-                task.add_done_callback(running.discard)
-        finally:
-            # Let the groups in flight finish (their ledgers close cleanly), then stop.
-            if running:
-                await asyncio.wait(running, timeout=120)
-            for task in running:
-                task.cancel()
+        """One group generated by this process's driver (the sync loop and tests)."""
+        if self.driver.gateway is None:
+            self.driver.gateway = self.gateway
+        return self.driver.rollout_group()
 
     # -- the buffer -------------------------------------------------------------------------------------
 
@@ -234,6 +158,8 @@ class RLRun:
         groups with more than half valid padded)."""
         accepted: list[list[tito_pb2.RolloutRecord]] = []
         while len(accepted) < self.c.groups_per_step:
+            if self._producer is not None and not self._producer.alive:
+                raise RuntimeError("the rollout producer process exited (its log is above)")
             for r in await self._take(256, 0.5):
                 if r.group_id.startswith(self.run_id + "-"):
                     self.pending[r.group_id].append(r)
@@ -279,7 +205,7 @@ class RLRun:
 
         async def one(i: int, p: Problem) -> float:
             request = worker_pb2.GenerateRequest(
-                prompt_token_ids=self._prompt(p), skip_special_tokens=True,
+                prompt_token_ids=self.driver.prompt_ids(p), skip_special_tokens=True,
                 sampling=sampling(temperature=0.0, max_new_tokens=self.c.max_new_tokens),
             )  # fmt: skip
             async with slots:
@@ -305,6 +231,17 @@ class RLRun:
             await self._sync(self.versions.publish())
             log.info("engines served version %d: the starting policy is version %d", served, self.versions.latest)
 
+    def _release(self, step: int) -> None:
+        """Groups started from now on get this step's weights (the producer's staleness bound moves on)."""
+        if self._producer is not None:
+            self._producer.advance(step)
+        else:
+            self.driver.advance(step)
+
+    async def _push(self, path: Path, step: int) -> None:
+        await self._sync(path)
+        self._release(step)
+
     async def _sync(self, path: Path) -> None:
         times = await sync_workers(await self.engines(), self.versions.synced, path)
         self.sync_seconds.append(max(times.values(), default=0.0))
@@ -322,29 +259,34 @@ class RLRun:
             await self.adopt_engines()
             before = await self.evaluate()
             log.info("held-out accuracy before RL: %s", before)
-            stop = asyncio.Event()
-            producer = asyncio.create_task(self._producer(stop)) if self.c.mode == "async" else None
+            self.driver.gateway = self.gateway
+            if self.c.mode == "async":
+                self._producer = ProducerProcess(self.c, self.run_id, self._group_finished)
             bar = tqdm(total=self.c.steps, desc=f"RL ({self.c.mode})", unit="step", disable=not self.c.progress)
             start = time.perf_counter()
             try:
                 for step in range(1, self.c.steps + 1):
-                    if producer is None:
+                    t0 = time.perf_counter()
+                    if self._producer is None:
                         await asyncio.gather(*(self.rollout_group() for _ in range(self.c.groups_per_step)))
-                    elif producer.done():
-                        producer.result()  # raises what stopped it
                     samples = await self.next_batch()
+                    t1 = time.perf_counter()
                     stats = await asyncio.to_thread(self.policy.step, samples)
-                    await self._after_step(step, stats, samples, start, bar)
-                stop.set()
+                    phases = {"wait_seconds": round(t1 - t0, 4), "step_seconds": round(time.perf_counter() - t1, 4)}
+                    await self._after_step(step, stats, samples, start, bar, phases)
+                if self._pushing is not None:
+                    await self._pushing
                 if self.versions.synced < self.versions.latest:
                     await self._sync(self.versions.publish())
                 train_seconds = time.perf_counter() - start
             finally:
-                stop.set()
-                self._stepped.set()
                 bar.close()
-                if producer is not None:
-                    await producer
+                if self._pushing is not None and not self._pushing.done():
+                    self._pushing.cancel()
+                if self._producer is not None:
+                    await self._producer.stop()
+                    self.counters.update(self._producer.counters)
+                self.counters.update(self.driver.counters)
             after = await self.evaluate()
             log.info("held-out accuracy after RL: %s", after)
         result = Result(
@@ -357,18 +299,32 @@ class RLRun:
         return result
 
     async def _after_step(
-        self, step: int, stats: StepStats, samples: list[tito_pb2.RolloutRecord], start: float, bar: Any
+        self,
+        step: int,
+        stats: StepStats,
+        samples: list[tito_pb2.RolloutRecord],
+        start: float,
+        bar: Any,
+        phases: dict[str, float],
     ) -> None:
-        path = self.versions.after_step()
-        if path is not None:
-            await self._sync(path)
-        self.steps_done = step  # after the sync: groups started from now on get the new weights
-        self._stepped.set()
+        t0 = time.perf_counter()
+        path = self.versions.after_step()  # the checkpoint is written before the next step changes the weights
+        phases["publish_seconds"] = round(time.perf_counter() - t0, 4)
+        if self._pushing is not None:
+            await self._pushing  # versions reach the engines in order
+            self._pushing = None
+        if path is not None and self.c.mode == "async":
+            # The push overlaps the next training step; groups started after it get the new weights.
+            self._pushing = asyncio.create_task(self._push(path, step))
+        elif path is not None:
+            await self._push(path, step)
+        else:
+            self._release(step)
         accuracy = await self.evaluate() if self.c.eval_every and step % self.c.eval_every == 0 else None
         oldest = min(oldest_version(r) for r in samples)
         row = {"step": step, "seconds": round(time.perf_counter() - start, 3), "version": self.versions.latest,
-               "max_staleness": self.versions.latest - 1 - oldest, **asdict(stats), "accuracy": accuracy,
-               "sync_seconds": self.sync_seconds[-1] if path is not None else None}  # fmt: skip
+               "max_staleness": self.versions.latest - 1 - oldest, **asdict(stats), **phases, "accuracy": accuracy,
+               "sync_seconds": self.sync_seconds[-1] if self.sync_seconds else None}  # fmt: skip
         self.history.append(row)
         postfix = {"reward": f"{stats.reward:.2f}"}
         if accuracy is not None:
