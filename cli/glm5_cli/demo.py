@@ -96,8 +96,13 @@ def run(a: argparse.Namespace) -> None:
         if f.is_file() and f.name != "version.json":
             shutil.copyfile(f, a.out / f.name)  # not the 0600 mode transformers writes
     kept = ("accuracy_before", "accuracy_after", "train_seconds", "final_version")
-    meta["rl"] = {"steps": a.rl_steps, "learning_rate": a.rl_lr, "lr_schedule": "cosine", "seed": a.rl_seed,
-                  **{k: summary[k] for k in kept}}
+    meta["rl"] = {
+        "steps": a.rl_steps,
+        "learning_rate": a.rl_lr,
+        "lr_schedule": "cosine",
+        "seed": a.rl_seed,
+        **{k: summary[k] for k in kept},
+    }
     (a.out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"held-out accuracy: SFT {summary['accuracy_before']:.1%} -> RL {summary['accuracy_after']:.1%}; the model "
           f"is in {a.out}, the RL run (history, rl.png) in {work / 'rl'}")  # fmt: skip
