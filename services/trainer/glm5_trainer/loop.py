@@ -112,17 +112,31 @@ class Result:
     history: list[dict[str, Any]]
 
 
+def latest_published(out: Path) -> tuple[int, Path] | None:
+    """The newest complete actor_synced checkpoint under `out` (publishing is atomic: `.tmp` folders are not)."""
+    versions = []
+    for d in (out / "actor_synced").glob("v*"):
+        if d.is_dir() and d.name[1:].isdigit() and (d / "config.json").is_file():
+            versions.append((int(d.name[1:]), d))
+    return max(versions) if versions else None
+
+
 class RLRun:
     def __init__(self, config: RLConfig) -> None:
         self.c = config
         self.run_id = f"{config.job}-{random.Random().getrandbits(32):08x}"  # rollout ids unique across runs
         self.driver = RolloutDriver(config, self.run_id, self._group_finished)
         self.env, self.eval_problems = self.driver.env, self.driver.eval_problems
-        self.policy = Policy(config.policy, config.learning_rate, config.region, config.balance_weight,
-                             config.entropy_weight,
+        # A restarted trainer (an RLJob pod) resumes from its last published version, not from the start.
+        self.resumed_from = latest_published(config.out)
+        start = config.policy if self.resumed_from is None else self.resumed_from[1]
+        self.policy = Policy(start, config.learning_rate, config.region, config.balance_weight, config.entropy_weight,
                              total_steps=config.steps if config.lr_schedule == "cosine" else None)  # fmt: skip
         self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
                                        config.sync_interval_s, config.ema_decay)  # fmt: skip
+        if self.resumed_from is not None:
+            self.versions.latest = self.versions.synced = self.resumed_from[0]
+            log.info("resuming from version %d (%s)", *self.resumed_from)
         self.counters: collections.Counter[str] = collections.Counter()
         self.pending: dict[str, list[tito_pb2.RolloutRecord]] = collections.defaultdict(list)
         self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
@@ -226,10 +240,11 @@ class RLRun:
         for address in await self.engines():
             async with WorkerClient(address) as client:
                 served = max(served, (await client.model_info()).weight_version)
-        if served > 0:
-            self.versions.latest = served + 1
-            await self._sync(self.versions.publish())
-            log.info("engines served version %d: the starting policy is version %d", served, self.versions.latest)
+        if served == self.versions.latest:
+            return  # a fresh start on fresh engines, or a resume on engines that serve the resumed version
+        self.versions.latest = max(served + 1, self.versions.latest)
+        await self._sync(self.versions.publish())
+        log.info("engines served version %d: the starting policy is version %d", served, self.versions.latest)
 
     def _release(self, step: int) -> None:
         """Groups started from now on get this step's weights (the producer's staleness bound moves on)."""

@@ -17,6 +17,7 @@ from glm5.v1 import tito_pb2, tito_pb2_grpc
 from glm5_tito.app import start_gateway
 from glm5_tito.gateway import GatewayConfig
 from glm5_trainer.loop import RLConfig, RLRun
+from safetensors.torch import load_file
 
 from tests.helpers.procs import start_redis, start_worker, stop
 
@@ -124,3 +125,18 @@ async def test_trainer_reads_the_redis_stream(stack: dict[str, object], tmp_path
         await server.stop(1)
         await gw.close()
         stop(redis_proc)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_restarted_trainer_resumes_from_its_last_version(stack: dict[str, object], tmp_path: Path) -> None:
+    config = _config(stack, tmp_path / "job", mode="sync", steps=1, eval_size=0)
+    first = await RLRun(config).run()
+    second = RLRun(config)  # an RLJob pod restarted with the same checkpoint volume
+    assert second.resumed_from is not None and second.resumed_from[0] == first.final_version
+    name = "model.embed_tokens.weight"
+    saved = load_file(str(Path(first.final_checkpoint, "model.safetensors")))[name]
+    assert torch.equal(second.policy.model.state_dict()[name], saved)  # not the starting checkpoint's weights
+    result = await second.run()
+    # the engines already serve the resumed version: nothing to push first; numbering continues
+    assert [row["version"] for row in result.history] == [first.final_version + 1]
+    assert len(result.sync_seconds) == 1
