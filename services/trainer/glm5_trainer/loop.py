@@ -212,9 +212,7 @@ class RLRun:
         problems = self.eval_problems[: self.c.eval_size]
         if not problems:
             return None
-        clients = [WorkerClient(e) for e in await self.engines()]
-        if not clients:
-            raise RuntimeError("no rollout engine to evaluate on")
+        clients = [WorkerClient(e) for e in await self.live_engines()]
         slots = asyncio.Semaphore(32 * len(clients))
 
         async def one(i: int, p: Problem) -> float:
@@ -236,10 +234,7 @@ class RLRun:
         """Engines that already serve a later version (a restarted trainer, a second run) only accept newer
         ones: continue numbering above the highest served version, and push the starting policy to them so
         every engine serves the weights this run's staleness accounting assumes."""
-        served = 0
-        for address in await self.engines():
-            async with WorkerClient(address) as client:
-                served = max(served, (await client.model_info()).weight_version)
+        served = max((await self.live_engines()).values())
         if served == self.versions.latest:
             return  # a fresh start on fresh engines, or a resume on engines that serve the resumed version
         self.versions.latest = max(served + 1, self.versions.latest)
@@ -257,9 +252,42 @@ class RLRun:
         await self._sync(path)
         self._release(step)
 
+    async def live_engines(self) -> dict[str, int]:
+        """The engines that answer, with the version each serves. One that does not (a worker restarting; it
+        comes back under the Service and gets the next push) is skipped and counted, never fatal."""
+
+        async def probe(address: str) -> tuple[str, int | None]:
+            try:
+                async with WorkerClient(address) as client:
+                    info = await client.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+                return address, int(info.weight_version)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("rollout engine %s does not answer (%s): skipped", address, exc.code().name)
+                return address, None
+
+        found = await asyncio.gather(*(probe(a) for a in await self.engines()))
+        live = {a: v for a, v in found if v is not None}
+        self.counters["engines_unreachable"] += len(found) - len(live)
+        if not live:
+            raise RuntimeError(f"no rollout engine answers (tried {[a for a, _ in found]})")
+        return live
+
     async def _sync(self, path: Path) -> None:
-        times = await sync_workers(await self.engines(), self.versions.synced, path)
-        self.sync_seconds.append(max(times.values(), default=0.0))
+        """Push a published version to every live engine; an engine that fails the push is counted and gets
+        the next one (the samples it makes meanwhile carry its old version and the staleness filter sees it)."""
+        version = self.versions.synced
+        engines = list(await self.live_engines())
+        results = await asyncio.gather(*(sync_workers([e], version, path) for e in engines), return_exceptions=True)
+        times = []
+        for address, r in zip(engines, results, strict=True):
+            if isinstance(r, BaseException):
+                log.warning("weight push of v%d to %s failed: %s", version, address, r)
+                self.counters["push_failed"] += 1
+            else:
+                times.append(r[address])
+        if not times:
+            raise RuntimeError(f"the weight push of v{version} failed on every engine")
+        self.sync_seconds.append(max(times))
 
     # -- the loop ---------------------------------------------------------------------------------------
 

@@ -140,3 +140,14 @@ async def test_a_restarted_trainer_resumes_from_its_last_version(stack: dict[str
     # the engines already serve the resumed version: nothing to push first; numbering continues
     assert [row["version"] for row in result.history] == [first.final_version + 1]
     assert len(result.sync_seconds) == 1
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_an_engine_that_does_not_answer_is_skipped(stack: dict[str, object], tmp_path: Path) -> None:
+    """A worker that is down (restarting under its Service) does not stop the trainer: probes, evaluation and
+    weight pushes go to the engines that answer, and it is counted."""
+    dead = "127.0.0.1:1"
+    engines = (*stack["engines"], dead)  # type: ignore[misc]
+    result = await RLRun(_config({**stack, "engines": engines}, tmp_path, mode="sync", steps=1, eval_size=4)).run()
+    assert result.counters["engines_unreachable"] >= 4  # adopt, evaluate before/after, the push
+    assert len(result.history) == 1 and result.accuracy_after is not None
