@@ -11,6 +11,7 @@ import grpc
 import pytest
 import pytest_asyncio
 import torch
+from glm5.client import sampling
 from glm5.model.presets import SHIPPED_MODEL
 from glm5.rl.buffer import STREAM, InProcessBuffer, RedisBuffer
 from glm5.v1 import tito_pb2, tito_pb2_grpc
@@ -66,6 +67,35 @@ async def test_rollout_logprobs_equal_the_trainers_recomputation(stack: dict[str
         assert len(engine_lp) == len(trainer_lp) > 0
         worst = max(worst, max(abs(a - b) for a, b in zip(engine_lp, trainer_lp, strict=True)))
     assert worst < 1e-3, f"engine and trainer log-probs differ by {worst} under the same weights (float32)"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_multi_turn_rollouts_stick_and_the_trainer_scores_them(stack: dict[str, object], tmp_path: Path) -> None:
+    """Three-turn rollouts (an environment appends tool output between turns): every turn goes to the rank of
+    the first, and the trainer's log-probs of the model tokens equal the engines' (tool tokens masked out)."""
+    run = RLRun(_config(stack, tmp_path, eval_size=0))
+    tok = run.driver.tok
+    async with grpc.aio.insecure_channel(str(stack["gateway"])) as ch:
+        gateway = tito_pb2_grpc.TitoGatewayStub(ch)
+        served = max((await run.live_engines()).values())
+        records = []
+        for i in range(6):
+            rid, context, seen = f"mt-{i}", tok.encode(tok.apply_chat_template(
+                [{"role": "user", "content": f"What is {i} + {i + 1}?"}], enable_thinking=True)), []  # fmt: skip
+            for turn in range(3):
+                params = sampling(temperature=1.0, max_new_tokens=8, seed=i * 10 + turn)
+                req = tito_pb2.TurnRequest(rollout_id=rid, group_id="mt", context_token_ids=context, sampling=params)
+                out = [r async for r in gateway.Turn(req, timeout=120)]
+                seen.append({r.rank for r in out})
+                context = context + [t for r in out for t in r.token_ids] + tok.encode(f"\ntool output {turn}\n")
+            assert all(s == seen[0] for s in seen), f"rollout {rid} moved between ranks: {seen}"
+            records.append(await gateway.FinishRollout(tito_pb2.FinishRolloutRequest(
+                rollout_id=rid, reward=1.0, status=tito_pb2.ROLLOUT_STATUS_COMPLETED)))  # fmt: skip
+    assert served == 0  # this module's earlier tests push no weights: trainer and engines hold the same ones
+    for r, trainer_lp in zip(records, run.policy.recompute(records), strict=True):
+        assert sum(r.loss_mask) == len(trainer_lp) and 0 in r.loss_mask[r.prompt_tokens :]  # tool tokens
+        engine_lp = [lp for lp, m in zip(r.logprobs, r.loss_mask, strict=True) if m]
+        assert max(abs(a - b) for a, b in zip(engine_lp, trainer_lp, strict=True)) < 1e-3
 
 
 @pytest.mark.asyncio(loop_scope="module")
