@@ -49,6 +49,7 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "policy": spec.policy.path,
         "engines": engines,
         "gateway": f"{child_name(job, 'gateway')}.{namespace}.svc:{g.port}",
+        "steps": 0,  # train until the pod is stopped (SIGTERM: finish the step, publish, exit); restarts resume
         "learning-rate": t.learning_rate,
         "task-preset": t.task_preset,
         "eps-low": eps_low,

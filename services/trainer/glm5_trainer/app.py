@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 from pathlib import Path
 
 from glm5.errors import ConfigError
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--environment", default=d.environment, help="reward environment (addition)")
     p.add_argument("--dataset", default=d.dataset, help="'builtin' or a JSONL file of problems")
     p.add_argument("--mode", default=d.mode, choices=MODES)
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (0: until SIGTERM/SIGINT)")
     p.add_argument("--group-size", type=int, default=d.group_size, help="rollouts per problem (GRPO group)")
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
     p.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups, help="async: groups generating")
@@ -94,5 +95,11 @@ def run(a: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     config = config_from_args(a)
-    result = asyncio.run(RLRun(config).run())
-    print(report(result), flush=True)
+
+    async def main() -> Result:
+        run = RLRun(config)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a deleted pod or Ctrl-C: finish the step, publish, stop
+            asyncio.get_running_loop().add_signal_handler(sig, run.request_stop)
+        return await run.run()
+
+    print(report(asyncio.run(main())), flush=True)

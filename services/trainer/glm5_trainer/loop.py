@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import json
 import logging
 import random
@@ -86,9 +87,13 @@ class RLConfig:
             problems.append(f"mode must be one of {MODES}")
         if not self.engines and not self.engine_dns:
             problems.append("rollout engines are needed (engines or engine_dns) to sync weights and evaluate")
-        for name in ("steps", "group_size", "groups_per_step", "max_inflight_groups", "max_new_tokens"):
+        for name in ("group_size", "groups_per_step", "max_inflight_groups", "max_new_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if self.steps < 0:
+            problems.append("steps must be >= 0 (0: train until stopped)")
+        if self.steps == 0 and self.lr_schedule == "cosine":
+            problems.append("the cosine schedule needs a number of steps")
         if self.group_size < 2:
             problems.append("group_size must be >= 2 (group-normalised advantages)")
         if self.temperature <= 0:
@@ -146,6 +151,11 @@ class RLRun:
         self.gateway: tito_pb2_grpc.TitoGatewayStub | None = None
         self._buffer: RedisBuffer | None = None
         self._producer: ProducerProcess | None = None
+        self._stop_requested = False
+
+    def request_stop(self) -> None:
+        """Finish the current step, publish and push it, and end the run (SIGTERM on a trainer pod)."""
+        self._stop_requested = True
 
     def _group_finished(self, group_id: str, records: int) -> None:
         self.finished_groups[group_id] = records
@@ -305,10 +315,12 @@ class RLRun:
             self.driver.gateway = self.gateway
             if self.c.mode == "async":
                 self._producer = ProducerProcess(self.c, self.run_id, self._group_finished)
-            bar = tqdm(total=self.c.steps, desc=f"RL ({self.c.mode})", unit="step", disable=not self.c.progress)
+            bar = tqdm(total=self.c.steps or None, desc=f"RL ({self.c.mode})", unit="step", disable=not self.c.progress)
             start = time.perf_counter()
             try:
-                for step in range(1, self.c.steps + 1):
+                for step in itertools.count(1):
+                    if self._stop_requested or (self.c.steps and step > self.c.steps):
+                        break
                     t0 = time.perf_counter()
                     if self._producer is None:
                         await asyncio.gather(*(self.rollout_group() for _ in range(self.c.groups_per_step)))
@@ -334,7 +346,7 @@ class RLRun:
             log.info("held-out accuracy after RL: %s", after)
         result = Result(
             accuracy_before=before, accuracy_after=after, train_seconds=train_seconds,
-            trained_samples=self.c.steps * self.c.groups_per_step * self.c.group_size,
+            trained_samples=len(self.history) * self.c.groups_per_step * self.c.group_size,
             final_version=self.versions.synced, final_checkpoint=str(self.versions.synced_path(self.versions.synced)),
             counters=dict(self.counters), sync_seconds=self.sync_seconds, history=self.history,
         )  # fmt: skip

@@ -4,6 +4,10 @@ trainer (transformers' model) stepping on rollouts and pushing weights back with
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -181,3 +185,31 @@ async def test_an_engine_that_does_not_answer_is_skipped(stack: dict[str, object
     result = await RLRun(_config({**stack, "engines": engines}, tmp_path, mode="sync", steps=1, eval_size=4)).run()
     assert result.counters["engines_unreachable"] >= 4  # adopt, evaluate before/after, the push
     assert len(result.history) == 1 and result.accuracy_after is not None
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_trainer_process_trains_until_sigterm_then_publishes(stack: dict[str, object], tmp_path: Path) -> None:
+    """`glm5 trainer --steps 0` (an RLJob pod) trains until SIGTERM, then finishes the step, pushes it, writes its
+    summary and exits 0; a bad setting exits 2 with the reason."""
+    engines = [f for e in stack["engines"] for f in ("--engine", e)]  # type: ignore[attr-defined]
+    cmd = [sys.executable, "-m", "glm5_cli", "trainer", "--policy", str(SHIPPED_MODEL), "--gateway",
+           str(stack["gateway"]), *engines, "--checkpoint-dir", str(tmp_path), "--mode", "sync", "--group-size", "2",
+           "--groups-per-step", "2", "--eval-size", "0", "--no-progress"]  # fmt: skip
+    bad = await asyncio.to_thread(subprocess.run, [*cmd, "--lr-schedule", "cosine", "--steps", "0"],
+                                  capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "the cosine schedule needs a number of steps" in bad.stderr
+    proc = subprocess.Popen([*cmd, "--steps", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # until it has published two steps (the gateway runs in this event loop)
+            if len(list((tmp_path / "actor_synced").glob("v*[0-9]"))) >= 3:
+                break
+            await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    newest = max(int(d.name[1:]) for d in (tmp_path / "actor_synced").glob("v*[0-9]"))
+    assert summary["final_version"] == newest and summary["trained_samples"] >= 2 * 2 * 2
+    assert "held-out accuracy n/a -> n/a" in out
