@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -36,3 +38,11 @@ async def start_serving(
     for name in ("", service_name):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return health, bound
+
+
+async def resolve_service(target: str) -> set[str]:
+    """host:port of a headless Service -> one host:port per A/AAAA record (IPv6 in brackets, as gRPC targets
+    want them). Raises OSError when the name does not resolve; callers decide what to keep meanwhile."""
+    host, _, port = target.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    return {f"[{s[0]}]:{port}" if family == socket.AF_INET6 else f"{s[0]}:{port}" for family, *_, s in infos}

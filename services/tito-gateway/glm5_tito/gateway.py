@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -14,6 +13,7 @@ from typing import NoReturn
 import grpc
 from glm5.errors import InvalidRequestError
 from glm5.rl.buffer import RolloutBuffer
+from glm5.serving import resolve_service
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from glm5_tito.ledger import Ledger
@@ -86,10 +86,8 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
     async def _discover(self) -> None:
         addresses = set(self.config.engines)
         if self.config.engine_dns:
-            host, _, port = self.config.engine_dns.rpartition(":")
             try:
-                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                addresses |= {f"{info[4][0]}:{port}" for info in infos}
+                addresses |= await resolve_service(self.config.engine_dns)
             except OSError as exc:
                 log.warning("cannot resolve %s: %s", self.config.engine_dns, exc)
                 addresses |= set(self.engines)  # keep what we had; heartbeats decide

@@ -21,7 +21,6 @@ import itertools
 import json
 import logging
 import random
-import socket
 import time
 from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ import grpc
 from glm5.client import WorkerClient, sampling
 from glm5.rl.buffer import RedisBuffer
 from glm5.rl.samples import oldest_version, select
+from glm5.serving import resolve_service
 from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
 from glm5_trainer.environment import Problem
@@ -211,10 +211,8 @@ class RLRun:
     async def engines(self) -> list[str]:
         addresses = set(self.c.engines)
         if self.c.engine_dns:
-            host, _, port = self.c.engine_dns.rpartition(":")
-            with contextlib.suppress(OSError):
-                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-                addresses |= {f"{info[4][0]}:{port}" for info in infos}
+            with contextlib.suppress(OSError):  # not resolvable right now: the static engines, if any
+                addresses |= await resolve_service(self.c.engine_dns)
         return sorted(addresses)
 
     async def evaluate(self) -> float | None:

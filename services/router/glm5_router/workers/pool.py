@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from glm5.serving import resolve_service
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
@@ -82,15 +82,11 @@ class WorkerPool:
     async def _addresses(self) -> set[str]:
         out = set(self.config.workers)
         if self.config.worker_dns:
-            host, _, port = self.config.worker_dns.rpartition(":")
             try:
-                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                out |= await resolve_service(self.config.worker_dns)
             except OSError as exc:
                 log.warning("cannot resolve %s: %s", self.config.worker_dns, exc)
                 return out | {a for a in self.workers if a not in self.config.workers}  # keep what we had
-            for family, *_, sockaddr in infos:
-                ip = str(sockaddr[0])
-                out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
         return out
 
     async def _discover(self) -> None:
