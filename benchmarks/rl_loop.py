@@ -66,13 +66,14 @@ async def bench(a: argparse.Namespace) -> None:
     phases: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in times}
     try:
         for r in range(a.rounds):
-            for mode in ("sync", "async"):
+            for mode in a.modes:
                 with tempfile.TemporaryDirectory() as out:
                     config = RLConfig(
                         policy=a.model, gateway=gateway, out=Path(out), engines=engines, mode=mode,
                         steps=a.steps, group_size=a.group_size, groups_per_step=a.groups_per_step,
                         max_inflight_groups=a.inflight, learning_rate=1e-4, staleness_limit=a.staleness,
-                        eval_size=0, seed=r, progress=False, producer_cpus=(cpus[1],) if pin else (),
+                        eval_size=0, seed=r, progress=False,
+                        producer_cpus=(cpus[a.producer_cpu],) if pin else (),
                     )  # fmt: skip
                     result = await RLRun(config).run()
                 times[mode].append(result.train_seconds)
@@ -86,17 +87,18 @@ async def bench(a: argparse.Namespace) -> None:
         for p, _ in procs:
             stop(p)
     samples = a.steps * a.groups_per_step * a.group_size
-    s, y = statistics.median(times["sync"]), statistics.median(times["async"])
+    wall = {m: statistics.median(t) for m, t in times.items() if t}
     where = "pinned: workers on one CPU, trainer on another" if pin else "unpinned"
     print(f"\n{where}; {a.workers} workers, {a.steps} steps x {a.groups_per_step} groups x {a.group_size} rollouts "
           f"= {samples} trained samples, {a.rounds} rounds, medians\n")  # fmt: skip
     print("| loop | wall time (s) | trained samples/s | per step (ms): wait for rollouts / train / publish / push |")
     print("|---|---:|---:|---|")
-    for mode, t in (("synchronous", s), ("asynchronous", y)):
-        ph = phases["sync" if mode == "synchronous" else "async"]
-        cells = " / ".join(f"{statistics.median(ph[k]) * 1000:.0f}" for k in keys)
-        print(f"| {mode} | {t:.1f} | {samples / t:.1f} | {cells} |")
-    print(f"\nasync speed-up (sync / async): {s / y:.2f}x; stale samples dropped per async run: {stale}")
+    for mode, t in wall.items():
+        cells = " / ".join(f"{statistics.median(phases[mode][k]) * 1000:.0f}" for k in keys)
+        print(f"| {'synchronous' if mode == 'sync' else 'asynchronous'} | {t:.1f} | {samples / t:.1f} | {cells} |")
+    if len(wall) == 2:
+        print(f"\nasync speed-up (sync / async): {wall['sync'] / wall['async']:.2f}x; "
+              f"stale samples dropped per async run: {stale}")  # fmt: skip
 
 
 def main() -> None:
@@ -109,6 +111,14 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=16, help="async: groups generating at once")
     p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=("sync", "async"))
+    p.add_argument(
+        "--producer-cpu",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="pinned: run the async rollout producer with the rollout side (0) or the trainer (1)",
+    )
     p.add_argument("--no-pin", dest="pin", action="store_false", help="let every process use every CPU")
     a = p.parse_args()
     a.model = a.model or default_model_path()

@@ -69,6 +69,22 @@ def test_greedy_is_deterministic_and_seeded_sampling_repeats(stub) -> None:
     assert run(temperature=1.0, seed=5) == run(temperature=1.0, seed=5)
 
 
+def test_stream_interval_coalesces_tokens_without_changing_them(stub) -> None:
+    kw = dict(prompt="What is 12 + 30?", return_logprobs=True,
+              sampling=sampling(temperature=1.0, seed=3, max_new_tokens=11, ignore_eos=True))  # fmt: skip
+    each = generate(stub, **kw)
+    every4 = generate(stub, stream_interval=4, **kw)
+    whole = generate(stub, stream_interval=11, **kw)
+    assert all(len(r.token_ids) >= 4 for r in every4[:-1])
+    assert len(every4) <= 3 < len(each)
+    assert len(whole) == 1 and whole[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    for resps in (every4, whole):
+        assert [t for r in resps for t in r.token_ids] == [t for r in each for t in r.token_ids]
+        assert [lp.logprob for r in resps for lp in r.logprobs] == [lp.logprob for r in each for lp in r.logprobs]
+        assert "".join(r.text for r in resps) == "".join(r.text for r in each)
+        assert resps[-1].usage.completion_tokens == 11
+
+
 def test_reflection_lists_the_services(worker: str) -> None:
     with grpc.insecure_channel(worker) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -101,6 +117,7 @@ def test_health_serving(worker: str) -> None:
         (dict(prompt="hi", sampling=sampling(top_p=1.01)), "top_p"),
         (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
         (dict(prompt="hi", top_logprobs=50), "top_logprobs"),
+        (dict(prompt="hi", stream_interval=-1), "stream_interval"),
     ],
 )
 def test_bad_input_is_invalid_argument(stub, request_kw: dict, field: str) -> None:

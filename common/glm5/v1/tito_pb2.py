@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from glm5.v1 import common_pb2 as glm5_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12glm5/v1/tito.proto\x12\x07glm5.v1\x1a\x14glm5/v1/common.proto\"y\n\x0bTurnRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x19\n\x11\x63ontext_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.glm5.v1.SamplingParams\"\x87\x01\n\x0cTurnResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0c\n\x04rank\x18\x04 \x01(\t\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.glm5.v1.FinishReason\"b\n\x14\x46inishRolloutRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.glm5.v1.RolloutStatus\"\'\n\x11GetRolloutRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\"\x80\x02\n\rRolloutRecord\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x13\n\x0brollout_key\x18\x02 \x01(\x04\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x07 \x03(\x03\x12\x15\n\rturn_versions\x18\x08 \x03(\x03\x12\x0e\n\x06reward\x18\t \x01(\x01\x12&\n\x06status\x18\n \x01(\x0e\x32\x16.glm5.v1.RolloutStatus\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x05\">\n\x13TakeRolloutsRequest\x12\x13\n\x0bmax_records\x18\x01 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"?\n\x14TakeRolloutsResponse\x12\'\n\x07records\x18\x01 \x03(\x0b\x32\x16.glm5.v1.RolloutRecord\"\x13\n\x11GetRoutingRequest\"n\n\tRankState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08rollouts\x18\x02 \x01(\x05\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08\x65xcluded\x18\x05 \x01(\t\"Z\n\x0cRoutingState\x12!\n\x05ranks\x18\x01 \x03(\x0b\x32\x12.glm5.v1.RankState\x12\x16\n\x0eoverflow_moves\x18\x02 \x01(\x03\x12\x0f\n\x07rehomed\x18\x03 \x01(\x03*\xa2\x01\n\rRolloutStatus\x12\x1e\n\x1aROLLOUT_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18ROLLOUT_STATUS_COMPLETED\x10\x01\x12\x1c\n\x18ROLLOUT_STATUS_TRUNCATED\x10\x02\x12\x1a\n\x16ROLLOUT_STATUS_ABORTED\x10\x03\x12\x19\n\x15ROLLOUT_STATUS_FAILED\x10\x04\x32\xdc\x02\n\x0bTitoGateway\x12\x35\n\x04Turn\x12\x14.glm5.v1.TurnRequest\x1a\x15.glm5.v1.TurnResponse0\x01\x12\x46\n\rFinishRollout\x12\x1d.glm5.v1.FinishRolloutRequest\x1a\x16.glm5.v1.RolloutRecord\x12@\n\nGetRollout\x12\x1a.glm5.v1.GetRolloutRequest\x1a\x16.glm5.v1.RolloutRecord\x12?\n\nGetRouting\x12\x1a.glm5.v1.GetRoutingRequest\x1a\x15.glm5.v1.RoutingState\x12K\n\x0cTakeRollouts\x12\x1c.glm5.v1.TakeRolloutsRequest\x1a\x1d.glm5.v1.TakeRolloutsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12glm5/v1/tito.proto\x12\x07glm5.v1\x1a\x14glm5/v1/common.proto\"\x92\x01\n\x0bTurnRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x19\n\x11\x63ontext_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.glm5.v1.SamplingParams\x12\x17\n\x0fstream_interval\x18\x05 \x01(\x05\"\x87\x01\n\x0cTurnResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0c\n\x04rank\x18\x04 \x01(\t\x12,\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x15.glm5.v1.FinishReason\"b\n\x14\x46inishRolloutRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x01\x12&\n\x06status\x18\x03 \x01(\x0e\x32\x16.glm5.v1.RolloutStatus\"\'\n\x11GetRolloutRequest\x12\x12\n\nrollout_id\x18\x01 \x01(\t\"\x80\x02\n\rRolloutRecord\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x13\n\x0brollout_key\x18\x02 \x01(\x04\x12\x10\n\x08group_id\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tloss_mask\x18\x05 \x03(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x16\n\x0etoken_versions\x18\x07 \x03(\x03\x12\x15\n\rturn_versions\x18\x08 \x03(\x03\x12\x0e\n\x06reward\x18\t \x01(\x01\x12&\n\x06status\x18\n \x01(\x0e\x32\x16.glm5.v1.RolloutStatus\x12\x15\n\rprompt_tokens\x18\x0b \x01(\x05\">\n\x13TakeRolloutsRequest\x12\x13\n\x0bmax_records\x18\x01 \x01(\x05\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"?\n\x14TakeRolloutsResponse\x12\'\n\x07records\x18\x01 \x03(\x0b\x32\x16.glm5.v1.RolloutRecord\"\x13\n\x11GetRoutingRequest\"n\n\tRankState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08rollouts\x18\x02 \x01(\x05\x12\r\n\x05\x61live\x18\x03 \x01(\x08\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\x10\n\x08\x65xcluded\x18\x05 \x01(\t\"Z\n\x0cRoutingState\x12!\n\x05ranks\x18\x01 \x03(\x0b\x32\x12.glm5.v1.RankState\x12\x16\n\x0eoverflow_moves\x18\x02 \x01(\x03\x12\x0f\n\x07rehomed\x18\x03 \x01(\x03*\xa2\x01\n\rRolloutStatus\x12\x1e\n\x1aROLLOUT_STATUS_UNSPECIFIED\x10\x00\x12\x1c\n\x18ROLLOUT_STATUS_COMPLETED\x10\x01\x12\x1c\n\x18ROLLOUT_STATUS_TRUNCATED\x10\x02\x12\x1a\n\x16ROLLOUT_STATUS_ABORTED\x10\x03\x12\x19\n\x15ROLLOUT_STATUS_FAILED\x10\x04\x32\xdc\x02\n\x0bTitoGateway\x12\x35\n\x04Turn\x12\x14.glm5.v1.TurnRequest\x1a\x15.glm5.v1.TurnResponse0\x01\x12\x46\n\rFinishRollout\x12\x1d.glm5.v1.FinishRolloutRequest\x1a\x16.glm5.v1.RolloutRecord\x12@\n\nGetRollout\x12\x1a.glm5.v1.GetRolloutRequest\x1a\x16.glm5.v1.RolloutRecord\x12?\n\nGetRouting\x12\x1a.glm5.v1.GetRoutingRequest\x1a\x15.glm5.v1.RoutingState\x12K\n\x0cTakeRollouts\x12\x1c.glm5.v1.TakeRolloutsRequest\x1a\x1d.glm5.v1.TakeRolloutsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glm5.v1.tito_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLLOUTSTATUS']._serialized_start=1069
-  _globals['_ROLLOUTSTATUS']._serialized_end=1231
-  _globals['_TURNREQUEST']._serialized_start=53
-  _globals['_TURNREQUEST']._serialized_end=174
-  _globals['_TURNRESPONSE']._serialized_start=177
-  _globals['_TURNRESPONSE']._serialized_end=312
-  _globals['_FINISHROLLOUTREQUEST']._serialized_start=314
-  _globals['_FINISHROLLOUTREQUEST']._serialized_end=412
-  _globals['_GETROLLOUTREQUEST']._serialized_start=414
-  _globals['_GETROLLOUTREQUEST']._serialized_end=453
-  _globals['_ROLLOUTRECORD']._serialized_start=456
-  _globals['_ROLLOUTRECORD']._serialized_end=712
-  _globals['_TAKEROLLOUTSREQUEST']._serialized_start=714
-  _globals['_TAKEROLLOUTSREQUEST']._serialized_end=776
-  _globals['_TAKEROLLOUTSRESPONSE']._serialized_start=778
-  _globals['_TAKEROLLOUTSRESPONSE']._serialized_end=841
-  _globals['_GETROUTINGREQUEST']._serialized_start=843
-  _globals['_GETROUTINGREQUEST']._serialized_end=862
-  _globals['_RANKSTATE']._serialized_start=864
-  _globals['_RANKSTATE']._serialized_end=974
-  _globals['_ROUTINGSTATE']._serialized_start=976
-  _globals['_ROUTINGSTATE']._serialized_end=1066
-  _globals['_TITOGATEWAY']._serialized_start=1234
-  _globals['_TITOGATEWAY']._serialized_end=1582
+  _globals['_ROLLOUTSTATUS']._serialized_start=1095
+  _globals['_ROLLOUTSTATUS']._serialized_end=1257
+  _globals['_TURNREQUEST']._serialized_start=54
+  _globals['_TURNREQUEST']._serialized_end=200
+  _globals['_TURNRESPONSE']._serialized_start=203
+  _globals['_TURNRESPONSE']._serialized_end=338
+  _globals['_FINISHROLLOUTREQUEST']._serialized_start=340
+  _globals['_FINISHROLLOUTREQUEST']._serialized_end=438
+  _globals['_GETROLLOUTREQUEST']._serialized_start=440
+  _globals['_GETROLLOUTREQUEST']._serialized_end=479
+  _globals['_ROLLOUTRECORD']._serialized_start=482
+  _globals['_ROLLOUTRECORD']._serialized_end=738
+  _globals['_TAKEROLLOUTSREQUEST']._serialized_start=740
+  _globals['_TAKEROLLOUTSREQUEST']._serialized_end=802
+  _globals['_TAKEROLLOUTSRESPONSE']._serialized_start=804
+  _globals['_TAKEROLLOUTSRESPONSE']._serialized_end=867
+  _globals['_GETROUTINGREQUEST']._serialized_start=869
+  _globals['_GETROUTINGREQUEST']._serialized_end=888
+  _globals['_RANKSTATE']._serialized_start=890
+  _globals['_RANKSTATE']._serialized_end=1000
+  _globals['_ROUTINGSTATE']._serialized_start=1002
+  _globals['_ROUTINGSTATE']._serialized_end=1092
+  _globals['_TITOGATEWAY']._serialized_start=1260
+  _globals['_TITOGATEWAY']._serialized_end=1608
 # @@protoc_insertion_point(module_scope)

@@ -22,16 +22,18 @@ ROLLOUT_STATUS_ABORTED: RolloutStatus
 ROLLOUT_STATUS_FAILED: RolloutStatus
 
 class TurnRequest(_message.Message):
-    __slots__ = ("rollout_id", "group_id", "context_token_ids", "sampling")
+    __slots__ = ("rollout_id", "group_id", "context_token_ids", "sampling", "stream_interval")
     ROLLOUT_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     rollout_id: str
     group_id: str
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, rollout_id: _Optional[str] = ..., group_id: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, rollout_id: _Optional[str] = ..., group_id: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class TurnResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "weight_version", "rank", "finish_reason")

@@ -135,6 +135,8 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "rollout_id: required")
         if not request.context_token_ids:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "context_token_ids: required")
+        if request.stream_interval < 0:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "stream_interval: must be >= 0")
         ledger = self.ledgers.get(request.rollout_id)
         if ledger is None:
             if len(self.ledgers) >= self.config.max_rollouts:
@@ -161,7 +163,8 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
             engine = self.engines[rank]
             turn_id = f"{request.rollout_id}-t{len(ledger.turn_versions)}"
             req = worker_pb2.GenerateRequest(prompt_token_ids=ledger.tokens, sampling=request.sampling,
-                                             return_logprobs=True, request_id=turn_id)  # fmt: skip
+                                             return_logprobs=True, request_id=turn_id,
+                                             stream_interval=request.stream_interval)  # fmt: skip
             sent, version = 0, 0
             try:
                 async for r in engine.stub.Generate(req):

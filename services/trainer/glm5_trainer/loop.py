@@ -313,6 +313,7 @@ class RLRun:
             self.driver.gateway = self.gateway
             if self.c.mode == "async":
                 self._producer = ProducerProcess(self.c, self.run_id, self._group_finished)
+                await self._producer.start()
             bar = tqdm(total=self.c.steps or None, desc=f"RL ({self.c.mode})", unit="step", disable=not self.c.progress)
             start = time.perf_counter()
             try:
@@ -363,9 +364,11 @@ class RLRun:
         t0 = time.perf_counter()
         path = self.versions.after_step()  # the checkpoint is written before the next step changes the weights
         phases["publish_seconds"] = round(time.perf_counter() - t0, 4)
+        t0 = time.perf_counter()
         if self._pushing is not None:
             await self._pushing  # versions reach the engines in order
             self._pushing = None
+        phases["push_wait_seconds"] = round(time.perf_counter() - t0, 4)
         if path is not None and self.c.mode == "async":
             # The push overlaps the next training step; groups started after it get the new weights.
             self._pushing = asyncio.create_task(self._push(path, step))

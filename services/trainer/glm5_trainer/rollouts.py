@@ -64,6 +64,7 @@ class RolloutDriver:
         request = tito_pb2.TurnRequest(
             rollout_id=rollout_id, group_id=group_id, context_token_ids=self.prompt_ids(p),
             sampling=sampling(temperature=self.c.temperature, max_new_tokens=self.c.max_new_tokens, seed=seed),
+            stream_interval=self.c.max_new_tokens,  # the environment scores whole turns: one message per turn
         )  # fmt: skip
         ids: list[int] = []
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -147,20 +148,26 @@ def _producer_main(config: RLConfig, run_id: str, conn: Connection) -> None:
 
 async def _produce(config: RLConfig, run_id: str, conn: Connection) -> None:
     driver = RolloutDriver(config, run_id, lambda gid, n: conn.send(("group", gid, n, dict(driver.counters))))
-    stop = asyncio.Event()
+    stop, go = asyncio.Event(), asyncio.Event()
 
     def readable() -> None:
         while conn.poll():
             message = conn.recv()
             if message[0] == "steps":
                 driver.advance(message[1])
+            elif message[0] == "go":
+                go.set()
             else:  # "stop"
                 stop.set()
+                go.set()
                 driver.advance(driver.steps_done)
 
     asyncio.get_running_loop().add_reader(conn.fileno(), readable)
     async with grpc.aio.insecure_channel(config.gateway) as channel:
         driver.gateway = tito_pb2_grpc.TitoGatewayStub(channel)  # type: ignore[no-untyped-call]
+        await channel.channel_ready()
+        conn.send(("ready", dict(driver.counters)))
+        await go.wait()
         await driver.produce(stop)
     conn.send(("done", dict(driver.counters)))
 
@@ -171,6 +178,7 @@ class ProducerProcess:
     def __init__(self, config: RLConfig, run_id: str, on_group: Callable[[str, int], None]) -> None:
         self.on_group = on_group
         self.counters: dict[str, int] = {}
+        self._ready = asyncio.Event()
         self._done = asyncio.Event()
         ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch and gRPC threads
         self._conn, child = ctx.Pipe()
@@ -188,11 +196,22 @@ class ProducerProcess:
                 self.counters = message[-1]
                 if message[0] == "group":
                     self.on_group(message[1], message[2])
+                elif message[0] == "ready":
+                    self._ready.set()
                 else:  # "done"
                     self._done.set()
         except EOFError:  # the child is gone
             asyncio.get_running_loop().remove_reader(self._conn.fileno())
+            self._ready.set()
             self._done.set()
+
+    async def start(self, timeout: float = 300.0) -> None:
+        """Waits until the child has imported, tokenised its prompts and reached the gateway (a one-off cost
+        of seconds, like starting an environment server), then lets it produce."""
+        await asyncio.wait_for(self._ready.wait(), timeout)
+        if not self.alive:
+            raise RuntimeError("the rollout producer process exited before it was ready (its log is above)")
+        self._conn.send(("go",))
 
     @property
     def alive(self) -> bool:

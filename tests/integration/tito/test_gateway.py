@@ -98,3 +98,31 @@ async def test_multi_turn_rollouts_stick_and_records_are_exact(gateway: dict[str
         for i, (m, lp) in enumerate(zip(record.loss_mask, record.logprobs, strict=True)):
             if m:
                 assert abs(recomputed[i - 1] - lp) < 1e-3, (i, recomputed[i - 1], lp)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_stream_interval_sends_whole_turns_and_is_validated(gateway: dict[str, object]) -> None:
+    async with grpc.aio.insecure_channel(str(gateway["target"])) as ch:
+        stub = tito_pb2_grpc.TitoGatewayStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Turn(tito_pb2.TurnRequest(rollout_id="si/bad", context_token_ids=[5, 6], stream_interval=-2,
+                                                 sampling=sampling(max_new_tokens=4))).read()  # fmt: skip
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream_interval" in (err.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # nothing was opened for the refused turn
+            await stub.GetRollout(tito_pb2.GetRolloutRequest(rollout_id="si/bad"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+        def request(rid: str, interval: int) -> tito_pb2.TurnRequest:
+            return tito_pb2.TurnRequest(rollout_id=rid, group_id="si", context_token_ids=[5, 6, 7],
+                                        stream_interval=interval,
+                                        sampling=sampling(max_new_tokens=9, ignore_eos=True, seed=4))  # fmt: skip
+
+        each = [r async for r in stub.Turn(request("si/each", 0))]
+        whole = [r async for r in stub.Turn(request("si/whole", 9))]
+        assert len(whole) == 1 < len(each)
+        assert list(whole[0].token_ids) == [t for r in each for t in r.token_ids]
+        assert list(whole[0].logprobs) == pytest.approx([lp for r in each for lp in r.logprobs], abs=1e-5)
+        for rid in ("si/each", "si/whole"):
+            record = await stub.FinishRollout(tito_pb2.FinishRolloutRequest(
+                rollout_id=rid, reward=0.0, status=tito_pb2.ROLLOUT_STATUS_COMPLETED))  # fmt: skip
+            assert list(record.loss_mask).count(1) == 9

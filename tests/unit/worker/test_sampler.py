@@ -45,3 +45,23 @@ def test_seed_fixes_the_draw() -> None:
     a = [sampler.sample(logits, [seq(seed=7)])[0].token_id for _ in range(3)]
     b = [sampler.sample(logits, [seq(seed=7)])[0].token_id for _ in range(3)]
     assert a == b
+
+
+def test_draws_follow_the_distribution_and_ignore_the_rest_of_the_batch() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = torch.log(probs)[None]
+    sampler = Sampler(0, torch.device("cpu"))
+    n = 4000
+    counts = torch.zeros(5)
+    for _ in range(n // 100):  # 100 unseeded rows per batched draw
+        out = sampler.sample(logits.expand(100, -1), [seq() for _row in range(100)])
+        for t in out:
+            counts[t.token_id] += 1
+    assert counts[4] == 0  # zero probability is never drawn
+    # chi-square over the 4 live tokens, 3 degrees of freedom: 16.3 is the 0.1% tail
+    expected = probs[:4] * n
+    assert float(((counts[:4] - expected) ** 2 / expected).sum()) < 16.3
+    # a seeded row draws the same token whatever shares its batch
+    alone = [sampler.sample(logits, [seq(seed=s)])[0].token_id for s in range(50)]
+    crowded = [sampler.sample(logits.expand(3, -1), [seq(), seq(seed=s), seq(seed=99)])[1].token_id for s in range(50)]
+    assert alone == crowded and len(set(alone)) > 1

@@ -7,6 +7,7 @@ touched by one thread and model steps never block the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -32,7 +33,41 @@ class EngineFailure(Glm5Error):
     """The engine hit an internal error while running this request."""
 
 
-_Sink = Callable[[RequestOutput | Exception], None]
+_Item = RequestOutput | Exception
+_Sink = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[_Item]"]
+
+
+def _deliver(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _send(deliveries: list[tuple[_Sink, _Item]]) -> None:
+    """Hands a step's outputs to their event loops: one thread-safe wake-up per loop, not one per request
+    (at batch 64 the per-request wake-ups cost more than the tokens' own messages)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
+    for (loop, q), item in deliveries:
+        by_loop.setdefault(loop, []).append((q, item))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that caller's loop is closed: nobody is listening
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """`b` appended to `a` (same request, same weight version): one message instead of two."""
+    return RequestOutput(
+        a.request_id,
+        a.token_ids + b.token_ids,
+        a.text + b.text,
+        a.logprobs + b.logprobs,
+        a.prompt_logprobs + b.prompt_logprobs,
+        b.finish_reason,
+        b.stop_reason,
+        b.prompt_tokens,
+        b.completion_tokens,
+        b.cached_prompt_tokens,
+        b.weight_version,
+    )
 
 
 class AsyncEngine:
@@ -73,19 +108,23 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed; failing the requests in flight")
+            failed: list[tuple[_Sink, _Item]] = []
             for request_id in list(self.engine.requests):
                 self.engine.abort(request_id)
                 sink = self._sinks.pop(request_id, None)
                 if sink:
-                    sink(EngineFailure(f"internal engine error: {exc}"))
+                    failed.append((sink, EngineFailure(f"internal engine error: {exc}")))
+            _send(failed)
             return
+        deliveries: list[tuple[_Sink, _Item]] = []
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
-            sink(out)
+            deliveries.append((sink, out))
+        _send(deliveries)
 
     # caller side --------------------------------------------------------------------------------------------
     def call(self, fn: Callable[[], T]) -> Future[T]:
@@ -103,15 +142,15 @@ class AsyncEngine:
         prompt_token_ids: list[int] | None,
         params: SamplingParams,
         add_special_tokens: bool = False,
+        stream_interval: int = 1,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Streams one request's outputs; leaving the iterator early aborts the request."""
+        """Streams one request's outputs; leaving the iterator early aborts the request. An output holds at
+        least `stream_interval` tokens (the last one the rest), and outputs that queued up while the caller
+        was busy are merged, so a slow caller gets fewer, larger messages instead of falling further behind."""
         if not self._accepting:
             raise EngineStopped("the worker is shutting down")
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-
-        def sink(item: RequestOutput | Exception) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        outputs: asyncio.Queue[_Item] = asyncio.Queue()
+        sink: _Sink = (asyncio.get_running_loop(), outputs)
 
         def add() -> str:
             seq = self.engine.add_request(request_id, prompt, prompt_token_ids, params, add_special_tokens)
@@ -120,14 +159,25 @@ class AsyncEngine:
 
         rid = await self.run(add)
         finished = False
+        held: RequestOutput | None = None
         try:
             while True:
                 item = await outputs.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                while True:
+                    if isinstance(item, Exception):
+                        finished = True
+                        raise item
+                    finished = item.finished
+                    if held is not None and held.weight_version != item.weight_version:
+                        yield held  # every message carries the one version that produced its tokens
+                        held = None
+                    held = item if held is None else merge_outputs(held, item)
+                    if finished or outputs.empty():
+                        break
+                    item = outputs.get_nowait()
+                if finished or len(held.token_ids) >= stream_interval:
+                    out, held = held, None
+                    yield out
                 if finished:
                     return
         finally:
@@ -147,25 +197,30 @@ class AsyncEngine:
         await self.run(self._abort_all)
 
     def _abort_all(self) -> None:
+        aborted: list[tuple[_Sink, _Item]] = []
         for seq in self.engine.scheduler.abort_all():
             self.engine.requests.pop(seq.request_id, None)
             sink = self._sinks.pop(seq.request_id, None)
             if sink:
-                sink(
-                    RequestOutput(
-                        seq.request_id,
-                        [],
-                        "",
-                        [],
-                        [],
-                        FinishReason.ABORT,
-                        "shutdown",
-                        len(seq.prompt_ids),
-                        len(seq.output_ids),
-                        seq.num_cached_prompt_tokens,
-                        self.engine.weight_version,
+                aborted.append(
+                    (
+                        sink,
+                        RequestOutput(
+                            seq.request_id,
+                            [],
+                            "",
+                            [],
+                            [],
+                            FinishReason.ABORT,
+                            "shutdown",
+                            len(seq.prompt_ids),
+                            len(seq.output_ids),
+                            seq.num_cached_prompt_tokens,
+                            self.engine.weight_version,
+                        ),
                     )
                 )
+        _send(aborted)
 
     def shutdown(self) -> None:
         self._accepting = False

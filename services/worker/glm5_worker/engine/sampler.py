@@ -29,14 +29,9 @@ class Sampler:
             tokens = processed.argmax(dim=-1).tolist()
         else:
             probs = self._filtered_probs(processed, seqs)
+            drawn = self._draw(probs, seqs).tolist()
             argmax = processed.argmax(dim=-1).tolist()
-            for i, seq in enumerate(seqs):
-                if greedy[i]:
-                    tokens.append(argmax[i])
-                    continue
-                gen = seq.generator or self.generator
-                p = probs[i].cpu() if gen.device.type == "cpu" else probs[i]
-                tokens.append(int(torch.multinomial(p, 1, generator=gen)))
+            tokens = [argmax[i] if greedy[i] else drawn[i] for i in range(len(seqs))]
         out: list[TokenLogprob] = []
         for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True)):
             if raw_logprobs is not None and seq.params.logprobs:
@@ -44,6 +39,26 @@ class Sampler:
             else:
                 out.append(TokenLogprob(token, 0.0))
         return out
+
+    def _draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row by inverse-CDF sampling: one uniform per row, from the request's own generator
+        when it has a seed (batch-independent), then a single batched cumsum + searchsorted; one
+        `torch.multinomial` per row cost ~50 us each, most of a batch-64 step's sampling time."""
+        u = torch.empty(len(seqs), dtype=torch.float64)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                u[i] = torch.rand(1, generator=seq.generator, dtype=torch.float64)
+        if unseeded:
+            u[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=torch.float64)
+        cdf = probs.double().cumsum(dim=-1)
+        target = (u.to(probs.device) * cdf[:, -1])[:, None]
+        picked = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+        # u * total can round up to the total itself: fall back to the most likely token, never a filtered one
+        zero = probs.gather(1, picked).squeeze(1) <= 0
+        if bool(zero.any()):
+            picked[zero] = probs[zero].argmax(dim=-1, keepdim=True)
+        return picked.squeeze(1).cpu()
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         if all(s.params.repetition_penalty == 1.0 for s in seqs):

@@ -48,7 +48,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: the scheduler's membership tests must not compare every field
 class Sequence:
     request_id: str
     prompt_ids: list[int]

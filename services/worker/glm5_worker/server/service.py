@@ -83,6 +83,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give prompt or prompt_token_ids, not both")
         if request.top_logprobs < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be >= 0")
+        if request.stream_interval < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream_interval: must be >= 0")
         params = sampling_from_proto(request, self.default_max_new_tokens)
         stream = self.engine.generate(
             request.request_id or None,
@@ -90,6 +92,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             list(request.prompt_token_ids) or None,
             params,
             request.add_special_tokens,
+            stream_interval=request.stream_interval,
         )
         try:
             async for out in stream:
