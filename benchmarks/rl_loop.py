@@ -1,18 +1,20 @@
 """Asynchronous vs synchronous RL loop: wall time for the same number of trained samples on CPU (results in
 docs/benchmarks.md; target: async >= 1.5x faster).
 
-    python -m benchmarks.rl_loop [--model DIR] [--workers 2] [--steps 12] [--rounds 2] [--no-pin]
+    python -m benchmarks.rl_loop [--model DIR] [--workers 1] [--steps 40] [--rounds 3] [--modes sync async]
+                                 [--producer-cpu 1] [--no-pin]
 
 Both loops run the same trainer (transformers' model, the IS loss, a weight sync after every step; in this
-process) against the same `glm5 worker` processes behind a `glm5 tito-gateway` process, alternating sync and async runs
-`rounds` times; each run starts from the same checkpoint. As in a real job, rollout and training get their
-own devices: with --pin (default) the workers, the gateway and the asynchronous loop's rollout producer (the
-environments) share CPU 0 and the trainer gets CPU 1, one thread each (on a
+process) against the same `glm5 worker` processes behind a `glm5 tito-gateway` process, alternating sync and
+async runs `rounds` times; each run starts from the same checkpoint. As in a real job, rollout and training get
+their own devices: with pinning (default) the workers and the gateway run on CPU 0 and the trainer on CPU 1,
+one thread each, and the asynchronous loop's rollout producer (the environments) on `--producer-cpu` (on a
 2-core machine every process would otherwise compete for the same cores, and there would be no idle device
-for the asynchronous loop to fill). sync: generate a batch, wait for all of it, train,
-sync. async: a producer keeps `--inflight` groups generating while the trainer trains and syncs, samples up
-to `--staleness` versions old are used (the importance-sampling loss corrects them). The time is the loop
-only (no evaluation). Medians over rounds; the ratio is sync / async.
+for the asynchronous loop to fill). sync: generate a batch, wait for all of it, train, sync. async: a producer
+keeps `--inflight` groups generating while the trainer trains and syncs, samples up to `--staleness` versions
+old are used (the importance-sampling loss corrects them). The time is the loop only: no evaluation, and the
+producer process is started and connected before the clock starts (as environment servers are, once per job).
+Medians over rounds; the ratio is sync / async.
 """
 
 from __future__ import annotations
@@ -97,20 +99,21 @@ async def bench(a: argparse.Namespace) -> None:
         cells = " / ".join(f"{statistics.median(phases[mode][k]) * 1000:.0f}" for k in keys)
         print(f"| {'synchronous' if mode == 'sync' else 'asynchronous'} | {t:.1f} | {samples / t:.1f} | {cells} |")
     if len(wall) == 2:
-        print(f"\nasync speed-up (sync / async): {wall['sync'] / wall['async']:.2f}x; "
+        rounds = ", ".join(f"{x / y:.2f}" for x, y in zip(times["sync"], times["async"], strict=True))
+        print(f"\nasync speed-up (sync / async): {wall['sync'] / wall['async']:.2f}x (per round {rounds}); "
               f"stale samples dropped per async run: {stale}")  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--inflight", type=int, default=16, help="async: groups generating at once")
     p.add_argument("--staleness", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=("sync", "async"))
     p.add_argument(
         "--producer-cpu",
