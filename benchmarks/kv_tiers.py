@@ -10,7 +10,13 @@ precision, with the INT8 L2 tier (the default), and with an L3 prototype (tokens
 Prompt logits are captured at every position (prefill in 256-token chunks, so later chunks read older
 tokens from the lossy tiers); the table gives max and mean absolute logit drift and argmax changes.
 
-Usage: python benchmarks/kv_tiers.py [--prompt-len 4096] [--model DIR] [--prompt random|addition]
+`--prompt problems` measures the INT8 tier where a trained model is in distribution: the shipped demo model's
+held-out addition problems, teacher-forced with their answers, with `l1_tokens` 0 and 8-token blocks and chunks
+so every earlier token is read back from INT8; drift is reported at the positions the model was trained to
+predict (the answer and end token), against the all-precision cache, next to the drift between running the
+model in bfloat16 and in float32 (the noise floor of bfloat16 itself).
+
+Usage: python benchmarks/kv_tiers.py [--prompt-len 4096] [--model DIR] [--prompt random|addition|problems]
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import torch
 from glm5.model.config import ModelConfig
-from glm5.model.presets import PRESETS, init_model
+from glm5.model.presets import PRESETS, default_model_path, init_model
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
@@ -96,6 +102,58 @@ def prompt_logits(model: Path, prompt: list[int], l2: bool, l3: bool, dtype: str
     return torch.cat(rec.rows)[: len(prompt) - 1]
 
 
+def problem_logits(model: Path, seqs: list[list[int]], l2: bool, dtype: str) -> torch.Tensor:
+    """Teacher-forced logits of each sequence, every token but the current 8-token chunk read from the cache."""
+    engine = Engine(
+        EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            max_model_len=max(map(len, seqs)) + 8,
+            kv_cache_bytes=64 << 20,
+            kv_int8_tier=l2,
+            l1_tokens=0,
+            block_size=8,
+            max_num_batched_tokens=8,
+            enable_prefix_caching=False,
+        )
+    )
+    rec, out = LogitRecorder(engine), []
+    for i, seq in enumerate(seqs):
+        rec.rows.clear()
+        engine.add_request(f"p{i}", None, seq, SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=True))
+        while engine.has_work:
+            engine.step()
+        out.append(torch.cat(rec.rows)[: len(seq) - 1])
+    return torch.cat(out)
+
+
+def problems_drift(model: Path, count: int) -> None:
+    from glm5.tokenizer.tokenizer import Tokenizer
+    from glm5_trainer.sft import encode, split_pairs
+
+    tok = Tokenizer(model)
+    _, held_out = split_pairs(99, 500, 0)
+    encoded = [encode(tok, a, b) for a, b in held_out[:count]]
+    seqs = [ids for ids, _ in encoded]
+    # logits row i predicts token i + 1: keep the rows whose next token is a trained label
+    answer = torch.cat([torch.tensor([label != -100 for label in labels[1:]]) for _, labels in encoded])
+    print(f"\nlogit drift at the answer positions of {count} held-out problems ({int(answer.sum())} positions), "
+          f"{model.name}, every earlier token read from the cache")  # fmt: skip
+    print(f"{'model':>9} {'cache':>26} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'mean':>9} {'argmax changed':>15}")
+    ref = {dtype: problem_logits(model, seqs, l2=False, dtype=dtype) for dtype in ("float32", "bfloat16")}
+    rows = (
+        ("float32", "INT8 tier", problem_logits(model, seqs, l2=True, dtype="float32"), ref["float32"]),
+        ("bfloat16", "INT8 tier", problem_logits(model, seqs, l2=True, dtype="bfloat16"), ref["bfloat16"]),
+        ("bfloat16", "no tier (vs float32 model)", ref["bfloat16"], ref["float32"]),
+    )
+    for dtype, label, got, base in rows:
+        d = (got - base).abs()[answer]
+        q = torch.quantile(d.max(dim=-1).values, torch.tensor([0.5, 0.9, 0.99])).tolist()
+        changed = (got[answer].argmax(-1) != base[answer].argmax(-1)).float().mean()
+        print(f"{dtype:>9} {label:>26} {q[0]:>9.2e} {q[1]:>9.2e} {q[2]:>9.2e} {d.max():>9.2e} {d.mean():>9.2e} "
+              f"{changed:>14.2%}")  # fmt: skip
+
+
 def addition_chat(model: Path, length: int) -> list[int]:
     """A multi-turn chat of addition problems with their answers, `length` tokens long."""
     import random
@@ -121,9 +179,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--model", help="checkpoint (default: a fresh tiny preset, seed 0)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt", choices=["random", "addition"], default="random",
-                    help="random token ids, or a long chat of addition questions and answers (in distribution "
-                    "for the shipped demo model)")  # fmt: skip
+    ap.add_argument("--problems", type=int, default=200, help="--prompt problems: how many held-out problems")
+    ap.add_argument("--prompt", choices=["random", "addition", "problems"], default="random",
+                    help="random token ids; a long multi-turn chat of addition problems (longer than anything the "
+                    "demo model was trained on); or held-out problems (in distribution for the shipped demo "
+                    "model, the default --model then)")  # fmt: skip
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     tiny = ModelConfig(vocab_size=1024, **PRESETS["tiny"])
@@ -134,6 +194,9 @@ def main() -> None:
             base = bytes_per_token(config, ctx, False, False)
             l2, l3 = bytes_per_token(config, ctx, True, False), bytes_per_token(config, ctx, True, True)
             print(f"{name:>6} {ctx:>8} {base:>8.0f} {l2:>9.0f} {l2 / base:>6.3f} {l3:>11.0f} {l3 / base:>6.3f}")
+    if a.prompt == "problems":
+        problems_drift(Path(a.model) if a.model else default_model_path(), a.problems)
+        return
     model = Path(a.model) if a.model else init_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
     if a.prompt == "addition":
         prompt = addition_chat(model, a.prompt_len)
