@@ -38,7 +38,7 @@ from glm5_trainer.environment import Problem
 from glm5_trainer.loss import TrustRegion
 from glm5_trainer.policy import Policy, StepStats
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
-from glm5_trainer.versions import WeightVersions, sync_workers
+from glm5_trainer.versions import WeightVersions, steps_recorded, sync_workers
 
 log = logging.getLogger(__name__)
 MODES = ("async", "sync")
@@ -135,13 +135,17 @@ class RLRun:
         # A restarted trainer (an RLJob pod) resumes from its last published version, not from the start.
         self.resumed_from = latest_published(config.out)
         start = config.policy if self.resumed_from is None else self.resumed_from[1]
+        # `steps` counts the job's steps across restarts; versions published before they were recorded count
+        # one step per version
+        done = 0 if self.resumed_from is None else steps_recorded(start) or self.resumed_from[0]
         self.policy = Policy(start, config.learning_rate, config.region, config.balance_weight, config.entropy_weight,
-                             total_steps=config.steps if config.lr_schedule == "cosine" else None)  # fmt: skip
+                             total_steps=config.steps if config.lr_schedule == "cosine" else None,
+                             steps_done=done)  # fmt: skip
         self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
-                                       config.sync_interval_s, config.ema_decay)  # fmt: skip
+                                       config.sync_interval_s, config.ema_decay, steps=done)  # fmt: skip
         if self.resumed_from is not None:
             self.versions.latest = self.versions.synced = self.resumed_from[0]
-            log.info("resuming from version %d (%s)", *self.resumed_from)
+            log.info("resuming from version %d (%s) after %d steps", *self.resumed_from, done)
         self.counters: collections.Counter[str] = collections.Counter()
         self.pending: dict[str, list[tito_pb2.RolloutRecord]] = collections.defaultdict(list)
         self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
@@ -299,9 +303,20 @@ class RLRun:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
+    @property
+    def complete(self) -> bool:
+        """The job has taken its `steps` (never, with steps 0)."""
+        return bool(self.c.steps) and self.versions.steps >= self.c.steps
+
     async def run(self) -> Result:
         from tqdm import tqdm
 
+        if self.complete:
+            # A trainer pod restarted after the job finished: the outputs of the run stay as they are.
+            log.info("the job already took its %d steps (version %d): nothing to train", self.c.steps,
+                     self.versions.synced)  # fmt: skip
+            final = self.versions.synced_path(self.versions.synced)
+            return Result(None, None, 0.0, 0, self.versions.synced, str(final), {}, [], [])
         self.c.out.mkdir(parents=True, exist_ok=True)
         if self.c.redis_url:
             self._buffer = RedisBuffer(self.c.redis_url)
@@ -314,11 +329,12 @@ class RLRun:
             if self.c.mode == "async":
                 self._producer = ProducerProcess(self.c, self.run_id, self._group_finished)
                 await self._producer.start()
-            bar = tqdm(total=self.c.steps or None, desc=f"RL ({self.c.mode})", unit="step", disable=not self.c.progress)
+            bar = tqdm(total=self.c.steps or None, initial=self.versions.steps, desc=f"RL ({self.c.mode})", unit="step",
+                       disable=not self.c.progress)  # fmt: skip
             start = time.perf_counter()
             try:
                 for step in itertools.count(1):
-                    if self._stop_requested or (self.c.steps and step > self.c.steps):
+                    if self._stop_requested or self.complete:
                         break
                     t0 = time.perf_counter()
                     if self._producer is None:
@@ -378,7 +394,8 @@ class RLRun:
             self._release(step)
         accuracy = await self.evaluate() if self.c.eval_every and step % self.c.eval_every == 0 else None
         oldest = min(oldest_version(r) for r in samples)
-        row = {"step": step, "seconds": round(time.perf_counter() - start, 3), "version": self.versions.latest,
+        row = {"step": step, "job_step": self.versions.steps, "seconds": round(time.perf_counter() - start, 3),
+               "version": self.versions.latest,
                "max_staleness": self.versions.latest - 1 - oldest, **asdict(stats), **phases, "accuracy": accuracy,
                "sync_seconds": self.sync_seconds[-1] if self.sync_seconds else None}  # fmt: skip
         self.history.append(row)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,7 @@ class Policy:
     entropy_weight: float = 0.005
     clip_factor: float = 0.85
     total_steps: int | None = None  # with a cosine schedule: the learning rate decays to 0 over these steps
+    steps_done: int = 0  # a resumed job: the schedule continues where it stopped
     nonfinite: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
@@ -113,6 +115,11 @@ class Policy:
             if self.total_steps
             else None
         )
+        if self.scheduler is not None and self.steps_done:
+            with warnings.catch_warnings():  # stepping the schedule ahead of the optimizer is the point here
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(self.steps_done):
+                    self.scheduler.step()
         self._routers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for module in self.model.modules():
             if type(module).__name__.endswith("TopkRouter"):

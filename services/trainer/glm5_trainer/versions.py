@@ -32,8 +32,9 @@ class WeightVersions:
     sync_interval_s: float = 600.0
     ema_decay: float = 0.999
     clock: Callable[[], float] = time.monotonic
-    latest: int = 0  # actor_latest: the optimizer steps taken
+    latest: int = 0  # actor_latest: the version of the current weights (one more per optimizer step)
     synced: int = 0  # actor_synced: the last published version
+    steps: int = 0  # optimizer steps the job has taken, across trainer restarts (recorded with every version)
     ema: dict[str, torch.Tensor] = field(default_factory=dict)
     _last_sync: float = 0.0
 
@@ -53,6 +54,7 @@ class WeightVersions:
         """Call after every optimizer step: bumps actor_latest, updates actor_ema, and publishes actor_synced
         when K steps or the sync interval have passed. Returns the published checkpoint, if any."""
         self.latest += 1
+        self.steps += 1
         for name, value in self.model.state_dict().items():
             self.ema[name].mul_(self.ema_decay).add_(value.detach().float(), alpha=1 - self.ema_decay)
         due = (
@@ -72,11 +74,21 @@ class WeightVersions:
         for name in TOKENIZER_FILES:
             if (self.tokenizer_dir / name).is_file():
                 shutil.copy(self.tokenizer_dir / name, tmp / name)
-        (tmp / "version.json").write_text(json.dumps({"version": self.latest, "ema_decay": self.ema_decay}) + "\n")
+        state = {"version": self.latest, "steps": self.steps, "ema_decay": self.ema_decay}
+        (tmp / "version.json").write_text(json.dumps(state) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         self.synced, self._last_sync = self.latest, self.clock()
         return final
+
+
+def steps_recorded(checkpoint: Path) -> int | None:
+    """The job's optimizer steps when this version was published (None: not recorded, or unreadable)."""
+    try:
+        steps = json.loads((checkpoint / "version.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) and steps >= 0 else None
 
 
 async def sync_workers(workers: list[str], version: int, location: Path, timeout: float = 600.0) -> dict[str, float]:

@@ -163,17 +163,25 @@ async def test_trainer_reads_the_redis_stream(stack: dict[str, object], tmp_path
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_restarted_trainer_resumes_from_its_last_version(stack: dict[str, object], tmp_path: Path) -> None:
-    config = _config(stack, tmp_path / "job", mode="sync", steps=1, eval_size=0)
-    first = await RLRun(config).run()
-    second = RLRun(config)  # an RLJob pod restarted with the same checkpoint volume
+    first = await RLRun(_config(stack, tmp_path / "job", mode="sync", steps=1, eval_size=0)).run()
+    # an RLJob pod restarted with the same checkpoint volume, the job's steps raised from 1 to 2
+    config = _config(stack, tmp_path / "job", mode="sync", steps=2, eval_size=0)
+    second = RLRun(config)
     assert second.resumed_from is not None and second.resumed_from[0] == first.final_version
+    assert second.versions.steps == 1  # the job's steps so far, recorded with the published version
     name = "model.embed_tokens.weight"
     saved = load_file(str(Path(first.final_checkpoint, "model.safetensors")))[name]
     assert torch.equal(second.policy.model.state_dict()[name], saved)  # not the starting checkpoint's weights
     result = await second.run()
-    # the engines already serve the resumed version: nothing to push first; numbering continues
-    assert [row["version"] for row in result.history] == [first.final_version + 1]
+    # the engines already serve the resumed version: nothing to push first; numbering continues; one step
+    # brings the job to its 2 steps
+    assert [(row["version"], row["job_step"]) for row in result.history] == [(first.final_version + 1, 2)]
     assert len(result.sync_seconds) == 1
+    summary = (tmp_path / "job" / "summary.json").read_text()
+    # restarted once more after the job is done: nothing is trained, pushed or overwritten
+    done = await RLRun(config).run()
+    assert done.history == [] and done.final_version == result.final_version
+    assert (tmp_path / "job" / "summary.json").read_text() == summary
 
 
 @pytest.mark.asyncio(loop_scope="module")
