@@ -107,7 +107,10 @@ class Reconciler:
                     self._deployment_status(body, parse_deployment(body.get("spec") or {}))
                 else:
                     spec = parse_rljob(body.get("spec") or {})
-                    self._rljob_status(body, spec, self._referenced(body, spec, required=False))
+                    if self._rljob_succeeded(body, spec) != self._recorded_success(body, spec):
+                        self._reconcile_rljob(body, False)  # just finished: scale the job's workloads to zero
+                    else:
+                        self._rljob_status(body, spec, self._referenced(body, spec, required=False))
             except (InvalidSpec, WaitingFor):
                 return  # the resource's own handler reports these
 
@@ -227,12 +230,54 @@ class Reconciler:
             raise
         ref_spec = self._referenced(body, spec, required=True)
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec), new)
+        succeeded = self._rljob_succeeded(body, spec)
+        outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec, succeeded), new)
         self._rljob_status(body, spec, ref_spec)
         return outcomes
 
+    def _recorded_success(self, body: dict[str, Any], spec: RLJobSpec) -> bool:
+        """The status already says the job took its current `steps` (sticky once the trainer pod is gone)."""
+        key = (body["kind"], body["metadata"]["namespace"], body["metadata"]["name"])
+        status = self._written.get(key) or body.get("status") or {}
+        return bool(spec.trainer.steps) and status.get("completedSteps") == spec.trainer.steps
+
+    def _rljob_succeeded(self, body: dict[str, Any], spec: RLJobSpec) -> bool:
+        """The trainer took the job's `steps`: recorded in the status, or reported in the trainer container's
+        termination message (exit 0 with `{"complete": true, "steps": N}`; a SIGTERM'd trainer also exits 0
+        but reports nothing)."""
+        if not spec.trainer.steps:
+            return False
+        if self._recorded_success(body, spec):
+            return True
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        pod = self.kube.get(Ref("v1", "Pod", ns, f"{child_name(name, 'trainer')}-0")) or {}
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+                done = state.get("terminated") or {}
+                if done.get("exitCode") != 0:
+                    continue
+                try:
+                    message = json.loads(done.get("message") or "")
+                except ValueError:
+                    continue
+                if isinstance(message, dict) and message.get("complete") and message.get("steps") == spec.trainer.steps:
+                    return True
+        return False
+
     def _rljob_status(self, body: dict[str, Any], spec: RLJobSpec, ref_spec: GLM5DeploymentSpec | None) -> None:
         ns, name, gen = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("generation")
+        eps_low, eps_high = spec.trainer.trust_region()
+        region = {"epsLow": eps_low, "epsHigh": eps_high}
+        if self._rljob_succeeded(body, spec):
+            steps = spec.trainer.steps
+            conds = [
+                condition("Succeeded", True, "StepsCompleted",
+                          f"the trainer took the job's {steps} steps; the final version is on the checkpoint volume",
+                          gen),
+                condition("Ready", False, "Succeeded", "the job has finished: its workloads are scaled to zero", gen),
+            ]  # fmt: skip
+            self._set_status(body, {"phase": "Succeeded", "completedSteps": steps, "trustRegion": region}, conds)
+            return
         gateway = rollout(self.kube.get(Ref("apps/v1", "Deployment", ns, child_name(name, "gateway"))),
                           spec.gateway.replicas, "availableReplicas")  # fmt: skip
         trainer = rollout(
@@ -258,11 +303,9 @@ class Reconciler:
             conds.append(condition("Ready", False, reason, waiting[0]["message"], gen))
         else:
             conds.append(condition("Ready", True, "Ready", "gateway, trainer and rollout engines are ready", gen))
-        eps_low, eps_high = spec.trainer.trust_region()
-        fields = {
-            "phase": "Running" if not waiting else "Pending",
-            "trustRegion": {"epsLow": eps_low, "epsHigh": eps_high},
-        }
+        if spec.trainer.steps:
+            conds.append(condition("Succeeded", False, "Training", f"training towards {spec.trainer.steps} steps", gen))
+        fields = {"phase": "Running" if not waiting else "Pending", "completedSteps": None, "trustRegion": region}
         self._set_status(body, fields, conds)
 
     # -- shared ---------------------------------------------------------------------------------------

@@ -43,6 +43,15 @@ class Trainer(Spec):
     sync_interval_seconds: int = Field(600, ge=1, le=MAX_SYNC_INTERVAL_S, description="Max seconds between syncs.")
     sync_every_steps: int = Field(8, ge=1, description="Publish actor_synced every K steps.")
     ema_decay: float = Field(0.999, gt=0, lt=1, description="Decay of actor_ema.")
+    steps: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Optimizer steps for the whole job (0: train until the RLJob is deleted). When the trainer has taken "
+            "them, the job's condition Succeeded turns True and its trainer, gateway and own rollout workers scale "
+            "to zero; the checkpoint volume stays. Raising it resumes the job from its last published version."
+        ),
+    )
     image: str | None = Field(None, description="Trainer image (default: the operator's configured image).")
 
     def trust_region(self) -> tuple[float, float]:

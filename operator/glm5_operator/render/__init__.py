@@ -54,9 +54,15 @@ def deployment_children(name: str, namespace: str, spec: GLM5DeploymentSpec, con
 
 
 def rljob_children(
-    name: str, namespace: str, spec: RLJobSpec, config: OperatorConfig, ref_spec: GLM5DeploymentSpec | None
+    name: str,
+    namespace: str,
+    spec: RLJobSpec,
+    config: OperatorConfig,
+    ref_spec: GLM5DeploymentSpec | None,
+    succeeded: bool = False,
 ) -> list[Child]:
-    """Every child of an RLJob; `ref_spec` is the referenced GLM5Deployment's spec when it has a deploymentRef."""
+    """Every child of an RLJob; `ref_spec` is the referenced GLM5Deployment's spec when it has a deploymentRef.
+    A job that has `succeeded` keeps its children (the checkpoint volume, the settings) at zero replicas."""
     engines, _ = rl.engines_address(name, namespace, spec, ref_spec)
     settings = rl.rl_settings(name, namespace, spec, engines)
     gateway = rl.gateway_settings(spec, engines)
@@ -69,6 +75,10 @@ def rljob_children(
         Child(rl.gateway_service(name, namespace, spec)),
         Child(rl.trainer_stateful_set(name, namespace, spec, settings, config)),
     ]
+    if succeeded:
+        for child in out:
+            if child.kind in ("StatefulSet", "Deployment"):
+                child.manifest["spec"]["replicas"] = 0
     return out
 
 

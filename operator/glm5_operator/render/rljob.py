@@ -27,6 +27,7 @@ GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
 TRAINER_FILE = "trainer.json"  # `glm5 trainer --config`
 RL_DIR = "/etc/glm5/rl"
 CHECKPOINT_DIR = "/var/lib/glm5/checkpoints"
+TERMINATION_LOG = "/dev/termination-log"  # the container's termination message (Kubernetes' default path)
 
 
 def rollout_instance(job: str) -> str:
@@ -49,7 +50,10 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "policy": spec.policy.path,
         "engines": engines,
         "gateway": f"{child_name(job, 'gateway')}.{namespace}.svc:{g.port}",
-        "steps": 0,  # train until the pod is stopped (SIGTERM: finish the step, publish, exit); restarts resume
+        # 0: train until the pod is stopped (SIGTERM: finish the step, publish, exit); restarts resume. N: the
+        # job's total; the trainer then writes its completion to the termination log, where the operator reads it
+        "steps": t.steps,
+        "completion-file": TERMINATION_LOG,
         "learning-rate": t.learning_rate,
         "task-preset": t.task_preset,
         "eps-low": eps_low,
@@ -161,7 +165,10 @@ def trainer_stateful_set(
     template = _pod(
         job, "trainer", t.image or config.image, config, ["trainer"], settings, [], resources, None, TRAINER_FILE
     )
-    template["spec"]["containers"][0]["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    trainer = template["spec"]["containers"][0]
+    trainer["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    trainer["terminationMessagePath"] = TERMINATION_LOG
+    trainer["terminationMessagePolicy"] = "File"
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

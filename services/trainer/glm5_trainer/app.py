@@ -26,7 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--environment", default=d.environment, help="reward environment (addition)")
     p.add_argument("--dataset", default=d.dataset, help="'builtin' or a JSONL file of problems")
     p.add_argument("--mode", default=d.mode, choices=MODES)
-    p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps (0: until SIGTERM/SIGINT)")
+    p.add_argument("--steps", type=int, default=d.steps,
+                   help="optimizer steps for the job, counting those a restarted trainer resumes after "
+                   "(0: until SIGTERM/SIGINT)")  # fmt: skip
+    p.add_argument("--completion-file",
+                   help="when the job has taken its --steps, write {complete, steps, version} here as JSON (an "
+                   "RLJob pod: its termination log, which the operator reads)")  # fmt: skip
     p.add_argument("--group-size", type=int, default=d.group_size, help="rollouts per problem (GRPO group)")
     p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
     p.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups, help="async: groups generating")
@@ -74,6 +79,7 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             sync_interval_s=a.sync_interval_seconds, ema_decay=a.ema_decay, eval_every=a.eval_every,
             eval_size=a.eval_size, seed=a.seed, split_seed=a.split_seed, redis_url=a.redis_url, job=a.job,
             progress=not a.no_progress,
+            completion_file=Path(a.completion_file) if a.completion_file else None,
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

@@ -78,6 +78,7 @@ class RLConfig:
     redis_url: str | None = None  # read the buffer's Redis stream directly (default: through the gateway)
     job: str = "rl"
     progress: bool = True
+    completion_file: Path | None = None  # written when the job has taken its `steps`
 
     def __post_init__(self) -> None:
         problems = []
@@ -316,6 +317,7 @@ class RLRun:
             log.info("the job already took its %d steps (version %d): nothing to train", self.c.steps,
                      self.versions.synced)  # fmt: skip
             final = self.versions.synced_path(self.versions.synced)
+            self._report_completion()
             return Result(None, None, 0.0, 0, self.versions.synced, str(final), {}, [], [])
         self.c.out.mkdir(parents=True, exist_ok=True)
         if self.c.redis_url:
@@ -366,7 +368,14 @@ class RLRun:
             counters=dict(self.counters), sync_seconds=self.sync_seconds, history=self.history,
         )  # fmt: skip
         self._write(result)
+        if self.complete:
+            self._report_completion()
         return result
+
+    def _report_completion(self) -> None:
+        if self.c.completion_file is not None:
+            done = {"complete": True, "steps": self.versions.steps, "version": self.versions.synced}
+            self.c.completion_file.write_text(json.dumps(done) + "\n")
 
     async def _after_step(
         self,

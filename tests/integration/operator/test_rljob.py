@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.integration.operator.conftest import Cluster, eventually
 
@@ -20,7 +20,7 @@ JOB_CHILDREN = [
 
 
 def _rl(cluster: Cluster) -> dict[str, Any]:
-    return dict(yaml.safe_load(cluster.obj("ConfigMap", "rl-rl")["data"]["trainer.json"]))
+    return dict(json.loads(cluster.obj("ConfigMap", "rl-rl")["data"]["trainer.json"]))
 
 
 async def test_deployment_ref_waits_for_the_deployment_then_reuses_its_workers(cluster: Cluster) -> None:
@@ -71,3 +71,70 @@ async def test_invalid_rljob_is_reported_and_applies_nothing(cluster: Cluster) -
     assert "deploymentRef" in ready["message"] and "epsLow" in ready["message"]
     assert cluster.obj("RLJob", "rl")["status"]["phase"] == "Failed"
     assert not any(cluster.exists(*c) for c in JOB_CHILDREN)
+
+
+def _trainer_pod(labels: dict[str, str], message: str, exit_code: int = 0) -> dict[str, Any]:
+    """The trainer pod as the kubelet reports it after its container ended (restarting under its StatefulSet)."""
+    ended = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
+                            "message": message}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "rl-trainer-0", "namespace": "default", "labels": labels},
+        "spec": {"containers": [{"name": "trainer", "image": "x"}]},
+        "status": {"containerStatuses": [{"name": "trainer", "ready": False, "restartCount": 1,
+                                         "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                         "lastState": ended}]},
+    }  # fmt: skip
+
+
+async def test_a_job_with_steps_succeeds_scales_to_zero_and_resumes_when_raised(cluster: Cluster) -> None:
+    spec = {"policy": {"path": "/models/tiny"}, "rollout": {"workers": {"replicas": 2, "accelerator": "cpu"}},
+            "trainer": {"steps": 3}, "dataset": {"uri": "/data/addition.jsonl"}}  # fmt: skip
+    await cluster.apply_cr("RLJob", "rl", spec)
+    await eventually(lambda: all(cluster.exists(*c) for c in [*JOB_CHILDREN, ("StatefulSet", "rl-rollout-worker")]))
+    rl = _rl(cluster)
+    assert rl["steps"] == 3 and rl["completion-file"] == "/dev/termination-log"
+    trainer = cluster.obj("StatefulSet", "rl-trainer")["spec"]["template"]
+    assert trainer["spec"]["containers"][0]["terminationMessagePath"] == "/dev/termination-log"
+    training = await eventually(lambda: cluster.condition("RLJob", "rl", "Succeeded"), what="Succeeded=False")
+    assert training["status"] == "False" and "3 steps" in training["message"]
+
+    # A trainer stopped by SIGTERM also exits 0, but reports nothing: the job is not done.
+    labels = trainer["metadata"]["labels"]
+    await cluster.create(_trainer_pod(labels, ""))
+    await cluster.patch_spec("RLJob", "rl", {"gateway": {"replicas": 1}})  # a reconcile after the pod event
+    await eventually(lambda: cluster.obj("RLJob", "rl")["metadata"].get("generation", 1) > 1)
+    assert cluster.condition("RLJob", "rl", "Succeeded")["status"] == "False"  # type: ignore[index]
+    assert cluster.obj("StatefulSet", "rl-trainer")["spec"]["replicas"] == 1
+
+    # The trainer took its 3 steps: Succeeded, and the job's workloads go to zero (settings and volume stay).
+    done = '{"complete": true, "steps": 3, "version": 3}'
+    await cluster.patch("Pod", "rl-trainer-0", {"status": _trainer_pod(labels, done)["status"]}, "status")
+    succeeded = await eventually(
+        lambda: (c := cluster.condition("RLJob", "rl", "Succeeded")) and c["status"] == "True" and c,
+        what="Succeeded=True",
+    )
+    assert succeeded["reason"] == "StepsCompleted"
+    status = cluster.obj("RLJob", "rl")["status"]
+    assert status["phase"] == "Succeeded" and status["completedSteps"] == 3
+    scaled = [("StatefulSet", "rl-trainer"), ("Deployment", "rl-gateway"), ("StatefulSet", "rl-rollout-worker")]
+    await eventually(lambda: all(cluster.obj(k, n)["spec"]["replicas"] == 0 for k, n in scaled), what="scaled to 0")
+    assert cluster.exists("ConfigMap", "rl-rl")
+
+    # It stays Succeeded once the pod is gone (the StatefulSet at zero removed it).
+    await cluster.delete("Pod", "rl-trainer-0")
+    await cluster.patch_spec("RLJob", "rl", {"trainer": {"learningRate": 2e-6}})
+    await eventually(lambda: _rl(cluster)["learning-rate"] == 2e-6, what="settings applied")
+    assert cluster.obj("RLJob", "rl")["status"]["phase"] == "Succeeded"
+    assert all(cluster.obj(k, n)["spec"]["replicas"] == 0 for k, n in scaled)
+
+    # Raising the steps resumes the job: back to its replicas, not Succeeded until the trainer reports 5.
+    await cluster.patch_spec("RLJob", "rl", {"trainer": {"steps": 5}})
+    await eventually(lambda: cluster.obj("StatefulSet", "rl-trainer")["spec"]["replicas"] == 1, what="scaled up")
+    assert cluster.obj("StatefulSet", "rl-rollout-worker")["spec"]["replicas"] == 2
+    assert _rl(cluster)["steps"] == 5
+    resumed = await eventually(lambda: (c := cluster.condition("RLJob", "rl", "Succeeded")) and c["status"] == "False"
+                               and c, what="Succeeded=False again")  # fmt: skip
+    assert "5 steps" in resumed["message"]
+    assert "completedSteps" not in cluster.obj("RLJob", "rl")["status"]

@@ -163,9 +163,12 @@ async def test_trainer_reads_the_redis_stream(stack: dict[str, object], tmp_path
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_restarted_trainer_resumes_from_its_last_version(stack: dict[str, object], tmp_path: Path) -> None:
-    first = await RLRun(_config(stack, tmp_path / "job", mode="sync", steps=1, eval_size=0)).run()
+    log = tmp_path / "termination-log"
+    first = await RLRun(_config(stack, tmp_path / "job", mode="sync", steps=1, eval_size=0, completion_file=log)).run()
+    assert json.loads(log.read_text()) == {"complete": True, "steps": 1, "version": first.final_version}
+    log.unlink()
     # an RLJob pod restarted with the same checkpoint volume, the job's steps raised from 1 to 2
-    config = _config(stack, tmp_path / "job", mode="sync", steps=2, eval_size=0)
+    config = _config(stack, tmp_path / "job", mode="sync", steps=2, eval_size=0, completion_file=log)
     second = RLRun(config)
     assert second.resumed_from is not None and second.resumed_from[0] == first.final_version
     assert second.versions.steps == 1  # the job's steps so far, recorded with the published version
@@ -179,9 +182,11 @@ async def test_a_restarted_trainer_resumes_from_its_last_version(stack: dict[str
     assert len(result.sync_seconds) == 1
     summary = (tmp_path / "job" / "summary.json").read_text()
     # restarted once more after the job is done: nothing is trained, pushed or overwritten
+    log.unlink()
     done = await RLRun(config).run()
     assert done.history == [] and done.final_version == result.final_version
     assert (tmp_path / "job" / "summary.json").read_text() == summary
+    assert json.loads(log.read_text())["steps"] == 2  # reported again, for the restarted container's log
 
 
 @pytest.mark.asyncio(loop_scope="module")
