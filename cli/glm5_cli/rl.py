@@ -23,9 +23,11 @@ log = logging.getLogger("glm5.rl")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="starting checkpoint (default: the shipped demo model)")
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (data-parallel ranks)")
-    p.add_argument("--out", default="rl-out", help="checkpoints, history.jsonl, summary.json and rl.png")
+    p.add_argument("--out", default="rl-out",
+                   help="checkpoints, history.jsonl, summary.json and rl.png; a folder that holds an earlier run "
+                   "resumes it (up to --steps in total)")  # fmt: skip
     p.add_argument("--mode", default="async", choices=["async", "sync"])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps for the run, counting resumed ones")
     p.add_argument("--learning-rate", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", help="rollout buffer as a Redis stream (default: in the gateway)")
