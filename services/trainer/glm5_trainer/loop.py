@@ -144,9 +144,12 @@ class RLRun:
                              steps_done=done)  # fmt: skip
         self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
                                        config.sync_interval_s, config.ema_decay, steps=done)  # fmt: skip
+        self.state_path = config.out / "trainer_state.pt"
         if self.resumed_from is not None:
             self.versions.latest = self.versions.synced = self.resumed_from[0]
-            log.info("resuming from version %d (%s) after %d steps", *self.resumed_from, done)
+            exact = self.policy.load_state(self.state_path, self.resumed_from[0])
+            how = "with its optimizer state" if exact else "with a fresh optimizer (no state saved for it)"
+            log.info("resuming from version %d (%s) after %d steps, %s", *self.resumed_from, done, how)
         self.counters: collections.Counter[str] = collections.Counter()
         self.pending: dict[str, list[tito_pb2.RolloutRecord]] = collections.defaultdict(list)
         self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
@@ -251,7 +254,9 @@ class RLRun:
         if served == self.versions.latest:
             return  # a fresh start on fresh engines, or a resume on engines that serve the resumed version
         self.versions.latest = max(served + 1, self.versions.latest)
-        await self._sync(self.versions.publish())
+        published = self.versions.publish()
+        self.policy.save_state(self.state_path, self.versions.synced)
+        await self._sync(published)
         log.info("engines served version %d: the starting policy is version %d", served, self.versions.latest)
 
     def _release(self, step: int) -> None:
@@ -349,7 +354,9 @@ class RLRun:
                 if self._pushing is not None:
                     await self._pushing
                 if self.versions.synced < self.versions.latest:
-                    await self._sync(self.versions.publish())
+                    final = self.versions.publish()
+                    self.policy.save_state(self.state_path, self.versions.synced)
+                    await self._sync(final)
                 train_seconds = time.perf_counter() - start
             finally:
                 bar.close()
@@ -358,6 +365,7 @@ class RLRun:
                 if self._producer is not None:
                     await self._producer.stop()
                     self.counters.update(self._producer.counters)
+                await asyncio.to_thread(self.policy.wait_saved)
                 self.counters.update(self.driver.counters)
             after = await self.evaluate()
             log.info("held-out accuracy after RL: %s", after)
@@ -388,6 +396,8 @@ class RLRun:
     ) -> None:
         t0 = time.perf_counter()
         path = self.versions.after_step()  # the checkpoint is written before the next step changes the weights
+        if path is not None:
+            self.policy.save_state(self.state_path, self.versions.synced)
         phases["publish_seconds"] = round(time.perf_counter() - t0, 4)
         t0 = time.perf_counter()
         if self._pushing is not None:

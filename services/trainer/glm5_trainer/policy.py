@@ -10,6 +10,8 @@ gradients zeroed per parameter and adaptive clipping before the optimizer step.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import copy
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -94,6 +96,10 @@ class Policy:
     total_steps: int | None = None  # with a cosine schedule: the learning rate decays to 0 over these steps
     steps_done: int = 0  # a resumed job: the schedule continues where it stopped
     nonfinite: collections.Counter[str] = field(default_factory=collections.Counter)
+    _saver: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glm5-state")
+    )
+    _save: concurrent.futures.Future[None] | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -124,6 +130,43 @@ class Policy:
         for module in self.model.modules():
             if type(module).__name__.endswith("TopkRouter"):
                 module.register_forward_hook(self._capture_router)
+
+    def save_state(self, path: Path, version: int) -> None:
+        """The optimizer's (and schedule's) state for the weights of `version`, replacing the previous one
+        atomically: a trainer restarted on the same volume resumes exactly, and only one copy (twice the
+        parameters, for AdamW) is kept. The state is copied here and written by a background thread, off the
+        training step's path; `wait_saved` waits for the writes."""
+        state = {
+            "version": version,
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # the next step updates it in place
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+
+        def write() -> None:
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(state, tmp)
+            tmp.replace(path)
+
+        self.wait_saved()  # at most one copy in flight: a slow disk slows publishing, not memory
+        self._save = self._saver.submit(write)
+
+    def wait_saved(self) -> None:
+        """Blocks until the last saved state is on disk (raises if the write failed)."""
+        save, self._save = self._save, None
+        if save is not None:
+            save.result()
+
+    def load_state(self, path: Path, version: int) -> bool:
+        """Restores the state saved with `version`; False (fresh optimizer) when there is none for it."""
+        if not path.is_file():
+            return False
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("version") != version:
+            return False
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        return True
 
     def _capture_router(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         logits, _, topk_idx = output

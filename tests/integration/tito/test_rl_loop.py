@@ -175,6 +175,11 @@ async def test_a_restarted_trainer_resumes_from_its_last_version(stack: dict[str
     name = "model.embed_tokens.weight"
     saved = load_file(str(Path(first.final_checkpoint, "model.safetensors")))[name]
     assert torch.equal(second.policy.model.state_dict()[name], saved)  # not the starting checkpoint's weights
+    # and the optimizer continues with the moments it had at that version, not a fresh AdamW
+    moments = second.policy.optimizer.state_dict()["state"]
+    kept = torch.load(tmp_path / "job" / "trainer_state.pt", weights_only=True)
+    assert kept["version"] == first.final_version and moments
+    assert all(torch.equal(moments[k]["exp_avg"], kept["optimizer"]["state"][k]["exp_avg"]) for k in moments)
     result = await second.run()
     # the engines already serve the resumed version: nothing to push first; numbering continues; one step
     # brings the job to its 2 steps
