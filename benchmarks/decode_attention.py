@@ -11,7 +11,11 @@ projections cost the same for both and are left out) and read the same paged lat
              threshold top-k, gather the picked latents, attend
   shared     a "shared" indexer layer: reuse the full layer's picks, gather, attend
 
-Usage: python benchmarks/decode_attention.py [--dtype bfloat16] [--contexts 4096,16384,65536,131072]
+`--index-dtype bfloat16` keeps the indexer keys in bfloat16 whatever `--dtype` is (the worker's
+`--kv-index-dtype`); the latent cache and both attention paths keep `--dtype`.
+
+Usage: python benchmarks/decode_attention.py [--dtype bfloat16] [--index-dtype bfloat16]
+                                             [--contexts 4096,16384,65536,131072]
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
     return out
 
 
-def bench(context: int, dtype: torch.dtype, repeats: int) -> dict[str, list[float]]:
+def bench(
+    context: int, dtype: torch.dtype, repeats: int, index_dtype: torch.dtype | None = None
+) -> dict[str, list[float]]:
     g = torch.Generator().manual_seed(0)
     config = ModelConfig(
         hidden_size=256,
@@ -66,10 +72,10 @@ def bench(context: int, dtype: torch.dtype, repeats: int) -> dict[str, list[floa
     )
     attn = MLAttention(config, 0, 0).to(dtype).eval()
     blocks = -(-context // BLOCK)
-    layout = KVLayout(1, 512, 64, 128, (0,), BLOCK, blocks, 0, dtype, torch.device("cpu"))
+    layout = KVLayout(1, 512, 64, 128, (0,), BLOCK, blocks, 0, dtype, torch.device("cpu"), index_dtype)
     cache = PagedKVStorage(layout)
     cache.fp_kv[0] = torch.randn(cache.fp_kv.shape[1:], generator=g).to(dtype)
-    cache.fp_index[0] = torch.randn(cache.fp_index.shape[1:], generator=g).to(dtype)
+    cache.fp_index[0] = torch.randn(cache.fp_index.shape[1:], generator=g).to(cache.fp_index.dtype)
     table = list(range(blocks))  # an unfragmented pool hands out consecutive blocks
     q_lat = torch.randn(1, 64, 512, generator=g).to(dtype)
     q_rope = torch.randn(1, 64, 64, generator=g).to(dtype)
@@ -106,23 +112,25 @@ def bench(context: int, dtype: torch.dtype, repeats: int) -> dict[str, list[floa
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--index-dtype", choices=["bfloat16", "float32"], help="indexer keys (default: --dtype)")
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
-    b = dtype.itemsize
+    index_dtype = getattr(torch, a.index_dtype) if a.index_dtype else dtype
+    b, bi = dtype.itemsize, index_dtype.itemsize
     print(
-        f"decode attention, GLM-5 sizes, {a.dtype}, {a.threads} threads; medians of {a.repeats} interleaved "
-        "rounds (ms); ratios are medians of per-round ratios"
+        f"decode attention, GLM-5 sizes, {a.dtype} (indexer keys {index_dtype}), {a.threads} threads; medians of "
+        f"{a.repeats} interleaved rounds (ms); ratios are medians of per-round ratios"
     )
     print(
         f"{'context':>8} {'dense':>8} {'gather':>8} {'sparse':>8} {'shared':>8} {'dense/gather':>13} "
         f"{'dense/sparse':>13} {'dense/(F+S)/2':>14} {'MB dense':>9} {'MB sparse':>10}"
     )
     for t in (int(x) for x in a.contexts.split(",")):
-        runs = bench(t, dtype, a.repeats)
+        runs = bench(t, dtype, a.repeats, index_dtype)
         r = {name: statistics.median(v) for name, v in runs.items()}
         ratio = {
             "gather": statistics.median(d / g for d, g in zip(runs["dense"], runs["gather"], strict=True)),
@@ -132,7 +140,7 @@ def main() -> None:
             ),
         }
         mb_dense = t * 576 * b / 2**20
-        mb_sparse = (t * 128 * b + 2048 * 576 * b) / 2**20
+        mb_sparse = (t * 128 * bi + 2048 * 576 * b) / 2**20
         print(
             f"{t:>8} {r['dense']:>8.2f} {r['gather']:>8.2f} {r['sparse']:>8.2f} {r['shared']:>8.2f} "
             f"{ratio['gather']:>12.1f}x {ratio['sparse']:>12.1f}x {ratio['pair']:>13.1f}x {mb_dense:>9.1f} "

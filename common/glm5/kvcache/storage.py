@@ -33,6 +33,13 @@ class KVLayout:
     num_q_blocks: int
     dtype: torch.dtype
     device: torch.device
+    # L1 indexer keys (None: `dtype`). A float32 model can keep them in bfloat16: they only rank tokens for the
+    # top-k, and scoring reads half the bytes (DeepSeek-V3.2 keeps its indexer keys in FP8)
+    index_dtype: torch.dtype | None = None
+
+    @property
+    def idx_dtype(self) -> torch.dtype:
+        return self.index_dtype or self.dtype
 
     @property
     def kv_dim(self) -> int:
@@ -57,7 +64,8 @@ class KVLayout:
     def fp_bytes_per_token(self) -> int:
         """All layers, model precision: latent + rope key (+ indexer key on full-indexer layers)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return elem * (self.num_layers * self.kv_dim + self.num_index_layers * self.index_dim)
+        idx_elem = torch.tensor([], dtype=self.idx_dtype).element_size()
+        return elem * self.num_layers * self.kv_dim + idx_elem * self.num_index_layers * self.index_dim
 
     def q_bytes_per_token(self) -> int:
         """All layers, INT8 tier: one byte per value plus a float16 scale per component."""
@@ -89,7 +97,7 @@ class PagedKVStorage:
         dev = lo.device
         # torch.empty: the OS commits pages only when a block is first written
         self.fp_kv = torch.empty(lo.num_layers, lo.num_fp_slots, lo.kv_dim, dtype=lo.dtype, device=dev)
-        self.fp_index = torch.empty(lo.num_index_layers, lo.num_fp_slots, lo.index_dim, dtype=lo.dtype, device=dev)
+        self.fp_index = torch.empty(lo.num_index_layers, lo.num_fp_slots, lo.index_dim, dtype=lo.idx_dtype, device=dev)
         self.q_kv = torch.empty(lo.num_layers, lo.num_q_slots, lo.kv_dim, dtype=torch.int8, device=dev)
         # scale[..., 0] for the latent, scale[..., 1] for the rope key
         self.q_kv_scale = torch.empty(lo.num_layers, lo.num_q_slots, 2, dtype=torch.float16, device=dev)

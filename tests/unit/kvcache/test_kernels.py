@@ -36,6 +36,21 @@ def test_flat_index_scores_match_the_reference_order() -> None:
     assert torch.allclose(got, ref_q, atol=1e-3, rtol=1e-4)
 
 
+def test_bfloat16_keys_score_within_rounding_and_keep_the_top_k() -> None:
+    """A float32 query against bfloat16 keys (--kv-index-dtype bfloat16) is scored in bfloat16: scores move by
+    about bfloat16's rounding, so only near-ties change places in the top-k."""
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(8192, 128, generator=g)
+    q, w = torch.randn(32, 128, generator=g), torch.rand(32, generator=g)
+    ref = K.index_scores_flat(keys, None, q, w, 128**-0.5)
+    got = K.index_scores_flat(keys.bfloat16(), None, q, w, 128**-0.5)
+    assert got.dtype == torch.float32
+    assert float((got - ref).abs().max()) < 0.02 * float(ref.abs().max())
+    k = 512
+    overlap = len(set(ref.topk(k).indices.tolist()) & set(got.topk(k).indices.tolist())) / k
+    assert overlap > 0.9
+
+
 def test_runs_split_at_gaps_and_at_the_tier_boundary() -> None:
     layout = KVLayout(1, 8, 4, 8, (0,), 4, 4, 4, torch.float32, torch.device("cpu"))
     st = PagedKVStorage(layout)

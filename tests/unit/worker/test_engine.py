@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from glm5.errors import CapacityError, InvalidRequestError
+from glm5.errors import CapacityError, ConfigError, InvalidRequestError
 from glm5.tokenizer.build import write_tokenizer
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine, RequestOutput
@@ -273,3 +273,24 @@ def test_in_place_paged_scoring_gives_the_same_tokens(checkpoint) -> None:
         runs.append((tokens(outs), [x.logprob for o in outs for x in o.logprobs]))
     assert runs[0][0] == runs[1][0]
     assert max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1], strict=True)) < 1e-4
+
+
+def test_bfloat16_indexer_keys_in_a_float32_engine(checkpoint) -> None:
+    """--kv-index-dtype bfloat16: the keys that only rank tokens for the top-k take half the bytes and are scored
+    in bfloat16 in place; the rest of the cache and the model stay float32."""
+    path, _ = checkpoint
+    p = prompts(1, seed=23)[0] * 2
+    runs = []
+    for index_dtype in ("auto", "bfloat16"):
+        engine = make_engine(path, kv_index_dtype=index_dtype, paged_scoring_min_tokens=32)
+        engine.add_request("x", None, p, greedy(12))
+        runs.append((engine, tokens(run(engine)["x"])))
+    (e32, t32), (e16, t16) = runs
+    assert e32.storage.fp_index.dtype == torch.float32 and e16.storage.fp_index.dtype == torch.bfloat16
+    assert e16.storage.fp_kv.dtype == torch.float32
+    layout = e32.storage.layout
+    # 4 -> 2 bytes per indexer-key value, nothing else changes
+    assert e32.pool_plan.fp_bytes_per_token - e16.pool_plan.fp_bytes_per_token == 2 * layout.num_index_layers * layout.index_dim
+    assert len(t16) == len(t32) == 12
+    with pytest.raises(ConfigError, match="kv-index-dtype"):
+        EngineConfig(kv_index_dtype="int4")

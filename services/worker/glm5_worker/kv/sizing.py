@@ -52,6 +52,7 @@ def make_layout(
     num_q_blocks: int,
     dtype: torch.dtype,
     device: torch.device,
+    index_dtype: torch.dtype | None = None,
 ) -> KVLayout:
     index_layers = {layer: i for i, layer in enumerate(config.full_indexer_layers)}
     return KVLayout(
@@ -65,12 +66,13 @@ def make_layout(
         num_q_blocks=num_q_blocks,
         dtype=dtype,
         device=device,
+        index_dtype=index_dtype,
     )
 
 
-def per_token_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+def per_token_bytes(config: ModelConfig, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(L1 bytes, L2 bytes) per token over all layers."""
-    layout = make_layout(config, 1, 0, 0, dtype, torch.device("cpu"))
+    layout = make_layout(config, 1, 0, 0, dtype, torch.device("cpu"), index_dtype)
     return layout.fp_bytes_per_token(), layout.q_bytes_per_token()
 
 
@@ -94,9 +96,10 @@ def plan_pool(
     max_chunk: int,
     l1_tokens: int,
     int8_tier: bool,
+    index_dtype: torch.dtype | None = None,
 ) -> PoolPlan:
     """Splits `total_bytes` into tiers; raises CapacityError if one max_model_len sequence cannot fit."""
-    fp_tok, q_tok = per_token_bytes(config, dtype)
+    fp_tok, q_tok = per_token_bytes(config, dtype, index_dtype)
     need_one = _bytes_for_one_sequence(fp_tok, q_tok, block_size, max_model_len, max_chunk, l1_tokens, int8_tier)
     if total_bytes < need_one:
         raise CapacityError(
@@ -139,8 +142,9 @@ def auto_bytes(
     max_chunk: int,
     l1_tokens: int,
     int8_tier: bool,
+    index_dtype: torch.dtype | None = None,
 ) -> int:
-    fp_tok, q_tok = per_token_bytes(config, dtype)
+    fp_tok, q_tok = per_token_bytes(config, dtype, index_dtype)
     budget = int(available * fraction)
     if cap is not None:
         budget = min(budget, cap)
