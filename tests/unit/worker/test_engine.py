@@ -290,7 +290,10 @@ def test_bfloat16_indexer_keys_in_a_float32_engine(checkpoint) -> None:
     assert e16.storage.fp_kv.dtype == torch.float32
     layout = e32.storage.layout
     # 4 -> 2 bytes per indexer-key value, nothing else changes
-    assert e32.pool_plan.fp_bytes_per_token - e16.pool_plan.fp_bytes_per_token == 2 * layout.num_index_layers * layout.index_dim
+    assert (
+        e32.pool_plan.fp_bytes_per_token - e16.pool_plan.fp_bytes_per_token
+        == 2 * layout.num_index_layers * layout.index_dim
+    )
     assert len(t16) == len(t32) == 12
     with pytest.raises(ConfigError, match="kv-index-dtype"):
         EngineConfig(kv_index_dtype="int4")
