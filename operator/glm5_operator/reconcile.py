@@ -107,10 +107,11 @@ class Reconciler:
                     self._deployment_status(body, parse_deployment(body.get("spec") or {}))
                 else:
                     spec = parse_rljob(body.get("spec") or {})
-                    if self._rljob_succeeded(body, spec) != self._recorded_success(body, spec):
+                    succeeded = self._rljob_succeeded(body, spec)
+                    if succeeded != self._recorded_success(body, spec):
                         self._reconcile_rljob(body, False)  # just finished: scale the job's workloads to zero
                     else:
-                        self._rljob_status(body, spec, self._referenced(body, spec, required=False))
+                        self._rljob_status(body, spec, self._referenced(body, spec, required=False), succeeded)
             except (InvalidSpec, WaitingFor):
                 return  # the resource's own handler reports these
 
@@ -232,7 +233,7 @@ class Reconciler:
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         succeeded = self._rljob_succeeded(body, spec)
         outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec, succeeded), new)
-        self._rljob_status(body, spec, ref_spec)
+        self._rljob_status(body, spec, ref_spec, succeeded)
         return outcomes
 
     def _recorded_success(self, body: dict[str, Any], spec: RLJobSpec) -> bool:
@@ -264,11 +265,13 @@ class Reconciler:
                     return True
         return False
 
-    def _rljob_status(self, body: dict[str, Any], spec: RLJobSpec, ref_spec: GLM5DeploymentSpec | None) -> None:
+    def _rljob_status(
+        self, body: dict[str, Any], spec: RLJobSpec, ref_spec: GLM5DeploymentSpec | None, succeeded: bool
+    ) -> None:
         ns, name, gen = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("generation")
         eps_low, eps_high = spec.trainer.trust_region()
         region = {"epsLow": eps_low, "epsHigh": eps_high}
-        if self._rljob_succeeded(body, spec):
+        if succeeded:
             steps = spec.trainer.steps
             conds = [
                 condition("Succeeded", True, "StepsCompleted",
