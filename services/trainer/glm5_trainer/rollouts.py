@@ -177,6 +177,7 @@ class ProducerProcess:
 
     def __init__(self, config: RLConfig, run_id: str, on_group: Callable[[str, int], None]) -> None:
         self.on_group = on_group
+        self.gateway = config.gateway
         self.counters: dict[str, int] = {}
         self._ready = asyncio.Event()
         self._done = asyncio.Event()
@@ -208,7 +209,13 @@ class ProducerProcess:
     async def start(self, timeout: float = 300.0) -> None:
         """Waits until the child has imported, tokenised its prompts and reached the gateway (a one-off cost
         of seconds, like starting an environment server), then lets it produce."""
-        await asyncio.wait_for(self._ready.wait(), timeout)
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            self.process.kill()
+            raise RuntimeError(
+                f"the rollout producer process did not reach the gateway at {self.gateway} within {timeout:.0f} s"
+            ) from None
         if not self.alive:
             raise RuntimeError("the rollout producer process exited before it was ready (its log is above)")
         self._conn.send(("go",))
