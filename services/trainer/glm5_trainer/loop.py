@@ -138,7 +138,9 @@ class RLRun:
         start = config.policy if self.resumed_from is None else self.resumed_from[1]
         # `steps` counts the job's steps across restarts; versions published before they were recorded count
         # one step per version
-        done = 0 if self.resumed_from is None else steps_recorded(start) or self.resumed_from[0]
+        recorded = None if self.resumed_from is None else steps_recorded(start)
+        # (0 is a real count: the starting policy published above the engines' version before any step)
+        done = 0 if self.resumed_from is None else recorded if recorded is not None else self.resumed_from[0]
         self.policy = Policy(start, config.learning_rate, config.region, config.balance_weight, config.entropy_weight,
                              total_steps=config.steps if config.lr_schedule == "cosine" else None,
                              steps_done=done)  # fmt: skip
