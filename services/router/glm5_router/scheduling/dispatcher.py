@@ -102,7 +102,10 @@ class Dispatcher:
         assert job.assigned is not None
         remaining = job.deadline - time.monotonic()
         try:
-            worker = await asyncio.wait_for(asyncio.shield(job.assigned), max(remaining, 0))
+            if job.assigned.done():  # dispatched inline: no timer, no trip through the event loop
+                worker = job.assigned.result()
+            else:
+                worker = await asyncio.wait_for(asyncio.shield(job.assigned), max(remaining, 0))
             if job.attempts == 0:
                 self.telemetry.queue_wait.observe(time.monotonic() - job.arrival)
             return worker
