@@ -7,8 +7,11 @@
 
 Latency and throughput isolate the router: the worker is tests/helpers/scripted_worker.py (the real Worker
 gRPC API streaming fixed text, 16 chunks per request), run as its own process, as is the router; the client
-is this process. The machines are shared and noisy: medians over repeats, ratios against the baseline run in
-the same process.
+is this process. Beside them runs benchmarks/bare_relay.py, a grpc.aio relay that does nothing but forward:
+the floor of one more Python gRPC hop on this machine, so the router's own cost can be told from the hop's.
+Throughput also reports each hop's CPU milliseconds per request (from /proc), which does not depend on how
+the cores happen to be shared. The machines are shared and noisy: medians over repeats and alternating
+rounds, ratios against the baseline run in the same process.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import asyncio
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 from glm5.client import sampling
 from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from tests.helpers.procs import start_router, start_scripted_worker, stop
+from tests.helpers.procs import free_port, start_router, start_scripted_worker, stop, wait_serving
 
 TOKENS = 16
 
@@ -47,9 +52,10 @@ async def _timed_stream(call: Callable[[], Awaitable[tuple[int, float]]]) -> tup
 Call = Callable[[int], Awaitable[tuple[int, float]]]
 
 
-def _callers(worker: str, router: str) -> tuple[grpc.aio.Channel, grpc.aio.Channel, Call, Call]:
-    wch, rch = grpc.aio.insecure_channel(worker), grpc.aio.insecure_channel(router)
-    wstub, rstub = worker_pb2_grpc.WorkerStub(wch), router_pb2_grpc.RouterStub(rch)
+def _caller(target: str, kind: str) -> tuple[grpc.aio.Channel, Call]:
+    """A channel and a one-request call against the worker ("direct") or a Router service."""
+    ch = grpc.aio.insecure_channel(target)
+    wstub, rstub = worker_pb2_grpc.WorkerStub(ch), router_pb2_grpc.RouterStub(ch)
     ids = list(range(10, 26))
 
     async def count(stream: Any) -> tuple[int, float]:
@@ -69,53 +75,90 @@ def _callers(worker: str, router: str) -> tuple[grpc.aio.Channel, grpc.aio.Chann
             prompt_token_ids=ids, sampling=sampling(max_new_tokens=TOKENS)))  # fmt: skip
         return await count(rstub.Generate(req))
 
-    return wch, rch, direct, routed
+    return ch, direct if kind == "direct" else routed
 
 
-def with_stack(fn: Callable[[str, str], Awaitable[None]], *router_flags: str) -> None:
-    worker_proc, worker = start_scripted_worker()
-    router_proc, router, _ = start_router([worker], *router_flags)
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Stack:
+    """The scripted worker, the router and the bare relay (benchmarks/bare_relay.py), each its own process;
+    `targets` maps "direct" / "bare relay" / "router" to where the client sends, `pids` to the process the
+    hop runs in."""
+
+    def __init__(self, *router_flags: str, bare: bool = True) -> None:
+        self.procs: list[subprocess.Popen] = []
+        worker_proc, worker = start_scripted_worker()
+        self.procs.append(worker_proc)
+        self.targets = {"direct": worker}
+        self.pids = {"direct": worker_proc.pid}
+        if bare:
+            port = free_port()
+            relay = subprocess.Popen([sys.executable, "-m", "benchmarks.bare_relay", "--port", str(port), "--worker",
+                                      worker], cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+            self.procs.append(relay)
+            self.targets["bare relay"] = f"127.0.0.1:{port}"
+            self.pids["bare relay"] = relay.pid
+            wait_serving(self.targets["bare relay"], proc=relay)
+        router_proc, router, _ = start_router([worker], *router_flags)
+        self.procs.append(router_proc)
+        self.targets["router"] = router
+        self.pids["router"] = router_proc.pid
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            stop(proc)
+
+
+def with_stack(fn: Callable[[Stack], Awaitable[None]], *router_flags: str, bare: bool = True) -> None:
+    stack = Stack(*router_flags, bare=bare)
     try:
-        asyncio.run(fn(worker, router))
+        asyncio.run(fn(stack))
     finally:
-        stop(router_proc)
-        stop(worker_proc)
+        stack.close()
 
 
 def latency(requests: int, repeats: int) -> None:
-    async def go(worker: str, router: str) -> None:
-        wch, rch, direct, routed = _callers(worker, router)
+    async def go(stack: Stack) -> None:
+        calls = {kind: _caller(target, kind) for kind, target in stack.targets.items()}
         for _ in range(50):  # warm up channels and caches
-            await direct(0)
-            await routed(0)
-        rows: dict[str, list[tuple[float, float, float, float]]] = {"first token": [], "whole stream": []}
+            for _, call in calls.values():
+                await call(0)
+        hops = [k for k in calls if k != "direct"]
+        rows: dict[str, dict[str, list[tuple[float, float]]]] = {"first token": {}, "whole stream": {}}
         for _ in range(repeats):
-            d, r = [], []
+            runs: dict[str, list[tuple[float, float]]] = {k: [] for k in calls}
             for i in range(requests):  # interleaved, one at a time: latency, not queueing
-                d.append(await _timed_stream(lambda i=i: direct(i)))  # type: ignore[misc]
-                r.append(await _timed_stream(lambda i=i: routed(i)))  # type: ignore[misc]
+                for kind, (_, call) in calls.items():
+                    runs[kind].append(await _timed_stream(lambda i=i, call=call: call(i)))  # type: ignore[misc]
             for k, what in enumerate(rows):
-                dk, rk = [x[k] for x in d], [x[k] for x in r]
-                rows[what].append((statistics.median(dk), _pct(dk, 0.99), statistics.median(rk), _pct(rk, 0.99)))
-        await wch.close()
-        await rch.close()
-        print(f"{'':<14}{'run':<5}{'direct p50 ms':>14}{'direct p99':>11}{'router p50':>11}{'router p99':>11}"
-              f"{'added p50':>10}{'added p99':>10}")  # fmt: skip
-        for what, runs in rows.items():
-            for k, (dp50, dp99, rp50, rp99) in enumerate(runs):
-                print(f"{what:<14}{k:<5}{dp50:14.3f}{dp99:11.3f}{rp50:11.3f}{rp99:11.3f}{rp50 - dp50:10.3f}"
-                      f"{rp99 - dp99:10.3f}")  # fmt: skip
-        print(f"\nmedians over {repeats} repeats of {requests} sequential requests ({TOKENS} tokens each):")
-        for what, runs in rows.items():
-            added = statistics.median(r[2] - r[0] for r in runs)
-            added99 = statistics.median(r[3] - r[1] for r in runs)
-            print(f"  {what:<13} router added p50 {added:.3f} ms, p99 {added99:.3f} ms")
+                d = [x[k] for x in runs["direct"]]
+                for hop in hops:
+                    h = [x[k] for x in runs[hop]]
+                    added = (statistics.median(h) - statistics.median(d), _pct(h, 0.99) - _pct(d, 0.99))
+                    rows[what].setdefault(hop, []).append(added)
+                rows[what].setdefault("direct", []).append((statistics.median(d), _pct(d, 0.99)))
+        for ch, _ in calls.values():
+            await ch.close()
+        print(f"{repeats} repeats of {requests} sequential requests ({TOKENS} tokens each), interleaved; "
+              f"ms, medians over the repeats")  # fmt: skip
+        print(f"{'':<14}{'direct p50':>11}{'direct p99':>11}" + "".join(
+            f"{hop + ' +p50':>18}{hop + ' +p99':>18}" for hop in hops))  # fmt: skip
+        for what, by in rows.items():
+            line = f"{what:<14}" + "".join(f"{statistics.median(x[j] for x in by['direct']):11.3f}" for j in (0, 1))
+            for hop in hops:
+                line += "".join(f"{statistics.median(x[j] for x in by[hop]):18.3f}" for j in (0, 1))
+            print(line)
 
     with_stack(go)
 
 
-def throughput(seconds: float, concurrency: int) -> None:
-    async def run(call: Call) -> float:
+def throughput(seconds: float, concurrency: int, rounds: int) -> None:
+    async def run(call: Call, pids: list[int]) -> tuple[float, list[float]]:
+        """requests/s and CPU milliseconds per request of each pid."""
         done = 0
         stop_at = time.perf_counter() + seconds
 
@@ -125,18 +168,30 @@ def throughput(seconds: float, concurrency: int) -> None:
                 assert (await call(k))[0] == TOKENS
                 done += 1
 
+        cpu0 = [_cpu_seconds(p) for p in pids]
         t = time.perf_counter()
         await asyncio.gather(*(loop(k) for k in range(concurrency)))
-        return done / (time.perf_counter() - t)
+        rate = done / (time.perf_counter() - t)
+        return rate, [(_cpu_seconds(p) - c) * 1000 / max(done, 1) for p, c in zip(pids, cpu0, strict=True)]
 
-    async def go(worker: str, router: str) -> None:
-        wch, rch, direct, routed = _callers(worker, router)
-        d = await run(direct)
-        r = await run(routed)
-        await wch.close()
-        await rch.close()
-        print(f"concurrency {concurrency}, {seconds:.0f}s each, {TOKENS} streamed tokens per request:")
-        print(f"  worker directly: {d:8.0f} req/s\n  through router:  {r:8.0f} req/s  ({r / d:.2f}x of direct)")
+    async def go(stack: Stack) -> None:
+        calls = {kind: _caller(target, kind) for kind, target in stack.targets.items()}
+        got: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in calls}
+        for _ in range(rounds):  # alternating, so machine noise hits every path alike
+            for kind, (_, call) in calls.items():
+                pids = [stack.pids["direct"]] + ([stack.pids[kind]] if kind != "direct" else [])
+                got[kind].append(await run(call, pids))
+        for ch, _ in calls.values():
+            await ch.close()
+        print(f"concurrency {concurrency}, {rounds} alternating rounds of {seconds:.0f}s, {TOKENS} streamed tokens per "
+              f"request; medians (worker, hop and client share this machine's cores)")  # fmt: skip
+        print(f"{'path':<12}{'req/s':>8}{'x direct':>10}{'worker CPU ms/req':>19}{'hop CPU ms/req':>16}")
+        direct = statistics.median(r for r, _ in got["direct"])
+        for kind, rows in got.items():
+            rate = statistics.median(r for r, _ in rows)
+            worker_ms = statistics.median(c[0] for _, c in rows)
+            hop = f"{statistics.median(c[1] for _, c in rows):16.2f}" if kind != "direct" else f"{'':>16}"
+            print(f"{kind:<12}{rate:8.0f}{rate / direct:9.2f}x{worker_ms:19.2f}{hop}")
 
     with_stack(go)
 
@@ -192,7 +247,7 @@ def batching(requests: int, rate: float) -> None:
     """Open-loop arrivals (Poisson, `rate`/s) against the router: token-budget batching with a short max wait
     (the default) vs a fixed 100 ms window (--max-wait-ms 100 and a budget nobody reaches)."""
 
-    async def go(worker: str, router: str) -> tuple[float, float]:
+    async def go(router: str) -> tuple[float, float]:
         ch = grpc.aio.insecure_channel(router)
         stub = router_pb2_grpc.RouterStub(ch)
         import random
@@ -219,10 +274,10 @@ def batching(requests: int, rate: float) -> None:
     results: dict[str, tuple[float, float]] = {}
 
     def run(label: str, *flags: str) -> None:
-        async def fn(worker: str, router: str) -> None:
-            results[label] = await go(worker, router)
+        async def fn(stack: Stack) -> None:
+            results[label] = await go(stack.targets["router"])
 
-        with_stack(fn, *flags)
+        with_stack(fn, *flags, bare=False)
 
     run("token budget 8192 / max wait 5 ms (default)")
     run("fixed 100 ms window", "--max-wait-ms", "100", "--token-budget", "100000000", "--no-idle-flush")
@@ -241,6 +296,7 @@ if __name__ == "__main__":
     p = sub.add_parser("throughput")
     p.add_argument("--seconds", type=float, default=10)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
     p = sub.add_parser("sm4")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--chunk-kib", type=int, default=16)
@@ -251,9 +307,8 @@ if __name__ == "__main__":
     if a.what == "latency":
         latency(a.requests, a.repeats)
     elif a.what == "throughput":
-        throughput(a.seconds, a.concurrency)
+        throughput(a.seconds, a.concurrency, a.rounds)
     elif a.what == "sm4":
         sm4(a.mib, a.chunk_kib)
     else:
         batching(a.requests, a.rate)
-    del subprocess
