@@ -12,10 +12,12 @@ projections cost the same for both and are left out) and read the same paged lat
   shared     a "shared" indexer layer: reuse the full layer's picks, gather, attend
 
 `--index-dtype bfloat16` keeps the indexer keys in bfloat16 whatever `--dtype` is (the worker's
-`--kv-index-dtype`); the latent cache and both attention paths keep `--dtype`.
+`--kv-index-dtype`); the latent cache and both attention paths keep `--dtype`. `--device cuda --kernels triton`
+runs the sparse paths on the fused Triton kernels (the worker's `--kernels`); dense stays the portable one.
 
 Usage: python benchmarks/decode_attention.py [--dtype bfloat16] [--index-dtype bfloat16]
                                              [--contexts 4096,16384,65536,131072]
+                                             [--device cpu|cuda] [--kernels auto|portable|triton]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from glm5.kernels import PortableKernels
+from glm5.kernels import PortableKernels, kernels_for
 from glm5.kvcache.storage import KVLayout, PagedKVStorage
 from glm5.model.attention import DSAControls, MLAttention, _Selector
 from glm5.model.batch import DecodeGroup, ForwardBatch
@@ -44,23 +46,33 @@ GLM5 = dict(
     q_lora_rank=2048,
 )
 BLOCK = 64
+CPU = torch.device("cpu")
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int, sync: Callable[[], None] = lambda: None
+) -> dict[str, list[float]]:
     """Times each function once per round, in turn, so machine noise hits all of them alike."""
     for fn in fns.values():
         fn()
+    sync()
     out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             t = time.perf_counter()
             fn()
+            sync()
             out[name].append((time.perf_counter() - t) * 1e3)
     return out
 
 
 def bench(
-    context: int, dtype: torch.dtype, repeats: int, index_dtype: torch.dtype | None = None
+    context: int,
+    dtype: torch.dtype,
+    repeats: int,
+    index_dtype: torch.dtype | None = None,
+    device: torch.device = CPU,
+    kernels_choice: str = "portable",
 ) -> dict[str, list[float]]:
     g = torch.Generator().manual_seed(0)
     config = ModelConfig(
@@ -70,21 +82,24 @@ def bench(
         mlp_layer_types=["dense", "dense"],
         **GLM5,
     )
-    attn = MLAttention(config, 0, 0).to(dtype).eval()
+    attn = MLAttention(config, 0, 0).to(device, dtype).eval()
     blocks = -(-context // BLOCK)
-    layout = KVLayout(1, 512, 64, 128, (0,), BLOCK, blocks, 0, dtype, torch.device("cpu"), index_dtype)
+    layout = KVLayout(1, 512, 64, 128, (0,), BLOCK, blocks, 0, dtype, device, index_dtype)
     cache = PagedKVStorage(layout)
-    cache.fp_kv[0] = torch.randn(cache.fp_kv.shape[1:], generator=g).to(dtype)
-    cache.fp_index[0] = torch.randn(cache.fp_index.shape[1:], generator=g).to(cache.fp_index.dtype)
+    cache.fp_kv[0] = torch.randn(cache.fp_kv.shape[1:], generator=g).to(device, dtype)
+    cache.fp_index[0] = torch.randn(cache.fp_index.shape[1:], generator=g).to(device, cache.fp_index.dtype)
     table = list(range(blocks))  # an unfragmented pool hands out consecutive blocks
-    q_lat = torch.randn(1, 64, 512, generator=g).to(dtype)
-    q_rope = torch.randn(1, 64, 64, generator=g).to(dtype)
-    iq, iw = torch.randn(1, 32, 128, generator=g), torch.randn(1, 32, generator=g)
-    group = DecodeGroup(1, torch.tensor([table]), torch.tensor([context]), context, tables=[table], lengths=[context])
+    q_lat = torch.randn(1, 64, 512, generator=g).to(device, dtype)
+    q_rope = torch.randn(1, 64, 64, generator=g).to(device, dtype)
+    iq, iw = torch.randn(1, 32, 128, generator=g).to(device), torch.randn(1, 32, generator=g).to(device)
+    group = DecodeGroup(1, torch.tensor([table], device=device), torch.tensor([context], device=device), context,
+                        tables=[table], lengths=[context])  # fmt: skip
     batch = ForwardBatch(
-        torch.zeros(1, dtype=torch.long), torch.tensor([context - 1]), torch.tensor([0]), group, [], torch.tensor([0])
-    )
-    kernels = PortableKernels()
+        torch.zeros(1, dtype=torch.long, device=device), torch.tensor([context - 1], device=device),
+        torch.tensor([0], device=device), group, [], torch.tensor([0], device=device),
+    )  # fmt: skip
+    kernels = kernels_for(device, kernels_choice)
+    dense_kernels = PortableKernels()
     out = q_lat.new_empty(1, 64, 512)
 
     def select(paged_min: int):
@@ -96,17 +111,18 @@ def bench(
         attn._attend(pick, q_lat, q_rope, out, 0, cache, kernels, batch, [])
 
     pick = select(0)
-    valid_all = torch.ones(1, context, dtype=torch.bool)
+    valid_all = torch.ones(1, context, dtype=torch.bool, device=device)
 
     def dense() -> None:
-        kernels.dense_mla(q_lat, q_rope, cache.fp_kv[0, :context], valid_all, attn.scale)
+        dense_kernels.dense_mla(q_lat, q_rope, cache.fp_kv[0, :context], valid_all, attn.scale)
 
     def shared() -> None:
         attn._attend(pick, q_lat, q_rope, out, 0, cache, kernels, batch, [])
 
     with torch.inference_mode():
         fns = {"dense": dense, "gather": lambda: sparse(1 << 40), "sparse": lambda: sparse(0), "shared": shared}
-        return interleaved(fns, repeats)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        return interleaved(fns, repeats, sync)
 
 
 def main() -> None:
@@ -116,13 +132,16 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,16384,65536,131072")
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--kernels", default="portable", choices=["auto", "portable", "triton"])
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     index_dtype = getattr(torch, a.index_dtype) if a.index_dtype else dtype
     b, bi = dtype.itemsize, index_dtype.itemsize
     print(
-        f"decode attention, GLM-5 sizes, {a.dtype} (indexer keys {index_dtype}), {a.threads} threads; medians of "
+        f"decode attention, GLM-5 sizes, {a.dtype} (indexer keys {index_dtype}), {a.device}, {a.kernels} kernels, "
+        f"{a.threads} threads; medians of "
         f"{a.repeats} interleaved rounds (ms); ratios are medians of per-round ratios"
     )
     print(
@@ -130,7 +149,7 @@ def main() -> None:
         f"{'dense/sparse':>13} {'dense/(F+S)/2':>14} {'MB dense':>9} {'MB sparse':>10}"
     )
     for t in (int(x) for x in a.contexts.split(",")):
-        runs = bench(t, dtype, a.repeats, index_dtype)
+        runs = bench(t, dtype, a.repeats, index_dtype, torch.device(a.device), a.kernels)
         r = {name: statistics.median(v) for name, v in runs.items()}
         ratio = {
             "gather": statistics.median(d / g for d, g in zip(runs["dense"], runs["gather"], strict=True)),

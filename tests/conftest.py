@@ -9,6 +9,10 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if not torch.cuda.is_available():
+    # Triton reads this when it is first imported and when a kernel runs: without a GPU, the Triton kernels run
+    # under its CPU interpreter (tests/unit/kernels); with one they are compiled and run on it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 
+from glm5.kernels import KERNEL_CHOICES
+
 from glm5_worker.config import EngineConfig, parse_bytes
 from glm5_worker.server.app import serve_until_signal
 
@@ -17,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda", "npu"])
+    p.add_argument("--kernels", default=d.kernels, choices=KERNEL_CHOICES,
+                   help="DSA kernels: auto = Triton on CUDA when installed, else portable PyTorch")  # fmt: skip
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, help="context limit (default min(131072, checkpoint limit))")
     p.add_argument("--rope-scaling", choices=["linear", "yarn"], help="override the checkpoint's RoPE scaling")
@@ -51,6 +55,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         served_model_name=a.served_model_name,
         dtype=a.dtype,
         device=a.device,
+        kernels=a.kernels,
         max_model_len=a.max_model_len,
         rope_scaling=a.rope_scaling,
         rope_factor=a.rope_factor,

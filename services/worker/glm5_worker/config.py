@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from glm5.devices import DEVICE_CHOICES
 from glm5.errors import ConfigError
+from glm5.kernels import KERNEL_CHOICES
 from glm5.model.config import validate_rope_factor
 
 DEFAULT_MAX_MODEL_LEN = 131072
@@ -17,6 +18,7 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on accelerators
     device: str = "auto"
+    kernels: str = "auto"  # DSA kernels: auto = Triton on CUDA when installed, else portable PyTorch
     max_model_len: int | None = None  # default: min(131072, the checkpoint's max positions x RoPE factor)
     rope_scaling: str | None = None  # override the checkpoint: "linear" | "yarn"
     rope_factor: float | None = None
@@ -51,6 +53,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_index_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from glm5.devices import available_memory, resolve_device
 from glm5.errors import CapacityError, ConfigError, InvalidRequestError
-from glm5.kernels import kernels_for
+from glm5.kernels import checked, kernels_for
 from glm5.kvcache.storage import PagedKVStorage
 from glm5.model.attention import DSAControls
 from glm5.model.batch import DecodeGroup, ForwardBatch, PrefillChunk
@@ -103,7 +103,12 @@ class Engine:
         self.served_model_name = config.served_model_name or model_dir.name
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids()))
-        self.kernels = kernels_for(self.device)
+        mc = self.model_config
+        self.kernels = checked(
+            kernels_for(self.device, config.kernels), config.kernels, self.device,
+            (mc.num_attention_heads, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.index_n_heads, mc.index_head_dim),
+            self.dtype,
+        )  # fmt: skip
         self.controls = DSAControls(
             dense_warmup_tokens=config.dense_warmup_tokens, paged_scoring_min_tokens=config.paged_scoring_min_tokens
         )
