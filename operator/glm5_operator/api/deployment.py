@@ -39,6 +39,11 @@ class ModelSource(Spec):
 class SparseAttention(Spec):
     dense_warmup_tokens: int = Field(128, ge=0, description="Early tokens attend densely; 0 disables it.")
     dynamic_sparsity: bool = Field(False, description="Widen a layer's top-k while its attention entropy is low.")
+    kernels: Literal["auto", "portable", "triton"] = Field(
+        "auto",
+        description="DSA kernel backend: auto = fused Triton kernels on NVIDIA GPUs (self-checked at start-up, "
+        "portable PyTorch if they fail), portable PyTorch elsewhere.",
+    )
 
 
 class KVCache(Spec):

@@ -82,6 +82,7 @@ def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any
         "max-num-seqs": w.max_num_seqs,
         "dense-warmup-tokens": sa.dense_warmup_tokens,
         "dynamic-sparsity": sa.dynamic_sparsity,
+        "kernels": sa.kernels,
         "ascend-temperature-floor": spec.sampling.ascend_temperature_floor,
         "shutdown-grace": SHUTDOWN_GRACE_S,
     }

@@ -59,7 +59,7 @@ def test_engine_config_is_what_glm5_worker_reads(tmp_path: Path) -> None:
     spec = parse_deployment({
         "model": {"path": "/models/glm5", "dtype": "bfloat16", "maxModelLen": 65536, "maxNewTokens": 512,
                   "ropeScaling": {"type": "yarn", "factor": 4, "originalMaxPositionEmbeddings": 16384}},
-        "sparseAttention": {"denseWarmupTokens": 0, "dynamicSparsity": True},
+        "sparseAttention": {"denseWarmupTokens": 0, "dynamicSparsity": True, "kernels": "portable"},
         "kvCache": {"bytes": "40GiB", "int8Tier": False, "l1Tokens": 256, "blockSize": 128, "prefixCaching": False,
                     "indexDtype": "bfloat16"},
         "workers": {"accelerator": "ascend-910b", "devicesPerReplica": 8, "maxNumSeqs": 32},
@@ -85,7 +85,7 @@ def test_engine_config_is_what_glm5_worker_reads(tmp_path: Path) -> None:
     assert engine.kv_cache_bytes == 40 << 30 and not engine.kv_int8_tier and not engine.enable_prefix_caching
     assert (engine.l1_tokens, engine.block_size, engine.max_num_seqs) == (256, 128, 32)
     assert engine.kv_index_dtype == "bfloat16"
-    assert engine.dense_warmup_tokens == 0 and engine.dynamic_sparsity
+    assert engine.dense_warmup_tokens == 0 and engine.dynamic_sparsity and engine.kernels == "portable"
     assert engine.ascend_temperature_floor == 0.4
     # A flag on the command line still wins over the file.
     assert config_from_args(parse_args(["worker", "--config", str(path), "--max-num-seqs", "4"])).max_num_seqs == 4
