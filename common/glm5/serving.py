@@ -1,17 +1,22 @@
-"""What every glm5 gRPC server does the same way: message limits, health checking, reflection, binding."""
+"""What every glm5 gRPC server does the same way: message limits, health checking, reflection, binding, and
+GenerateStream (many Generate requests multiplexed over one stream)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from glm5.v1 import worker_pb2
+
 MESSAGE_LIMIT = 64 << 20
+log = logging.getLogger(__name__)
 
 
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
@@ -46,3 +51,70 @@ async def resolve_service(target: str) -> set[str]:
     host, _, port = target.rpartition(":")
     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     return {f"[{s[0]}]:{port}" if family == socket.AF_INET6 else f"{s[0]}:{port}" for family, *_, s in infos}
+
+
+class RequestFailed(Exception):
+    """One request ended with this status. On Generate it is the call's status; on GenerateStream only that
+    request ends (with error_code) and the stream goes on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+OneRequest = Callable[[worker_pb2.GenerateRequest], AsyncIterator[worker_pb2.GenerateResponse]]
+
+
+async def serve_multiplexed(
+    one: OneRequest, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]
+) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+    """Worker.GenerateStream from a Generate implementation (`one`): each started request runs as its own task and
+    its responses are interleaved onto the stream as they come; `cancel` and the end of the stream stop them."""
+    out: asyncio.Queue[worker_pb2.GenerateStreamResponse | None] = asyncio.Queue()
+    tasks: dict[int, asyncio.Task[None]] = {}
+
+    def fail(rid: int, code: grpc.StatusCode, message: str) -> None:
+        out.put_nowait(worker_pb2.GenerateStreamResponse(id=rid, error_code=code.value[0], error_message=message))
+
+    async def run(rid: int, request: worker_pb2.GenerateRequest) -> None:
+        try:
+            async for resp in one(request):
+                out.put_nowait(worker_pb2.GenerateStreamResponse(id=rid, response=resp))
+        except RequestFailed as exc:
+            fail(rid, exc.code, exc.message)
+        except Exception as exc:  # one request's bug must not end the others on the stream
+            log.exception("request %d on a GenerateStream failed", rid)
+            fail(rid, grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        finally:
+            tasks.pop(rid, None)
+
+    async def read() -> None:
+        try:
+            async for msg in requests:
+                action = msg.WhichOneof("action")
+                if action == "start":
+                    if msg.id in tasks:
+                        fail(msg.id, grpc.StatusCode.INVALID_ARGUMENT, f"id: {msg.id} is already open on this stream")
+                    else:
+                        tasks[msg.id] = asyncio.create_task(run(msg.id, msg.start))
+                elif action == "cancel":
+                    task = tasks.get(msg.id)
+                    if task is not None:
+                        task.cancel()
+                else:
+                    fail(msg.id, grpc.StatusCode.INVALID_ARGUMENT, "action: give start or cancel")
+            if tasks:  # the caller half-closed: finish what is open, then end the stream
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+        finally:
+            out.put_nowait(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (item := await out.get()) is not None:
+            yield item
+        await reader
+    finally:
+        reader.cancel()
+        for task in list(tasks.values()):
+            task.cancel()

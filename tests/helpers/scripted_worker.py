@@ -23,11 +23,13 @@ import argparse
 import asyncio
 import json
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 from glm5.model.presets import default_model_path
+from glm5.serving import RequestFailed, serve_multiplexed
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -56,13 +58,25 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         return {}
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for resp in self._generate(request):
+                yield resp
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def GenerateStream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.send_initial_metadata(())  # the caller waits for it before writing (router: WorkerStream)
+        async for resp in serve_multiplexed(self._generate, request_iterator):
+            yield resp
+
+    async def _generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         self.served += 1
         self.running += 1
         try:
             prompt = request.prompt or self.tok.decode(list(request.prompt_token_ids))
             n = request.sampling.max_new_tokens if request.sampling.HasField("max_new_tokens") else 16
             if "FAIL_BEFORE" in prompt or self._control().get("_fail") == "before":
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure before the first token")
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "scripted failure before the first token")
             script = next((v for k, v in SCRIPTS.items() if k in prompt), [" tok"] * n)
             tail = prompt.rstrip()
             if "THINK" in prompt and tail.endswith("</think>") and not tail.endswith("<think></think>"):
@@ -71,7 +85,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             total = 0
             for i, text in enumerate(script):
                 if "FAIL_AFTER" in prompt and i == 2:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure mid-stream")
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "scripted failure mid-stream")
                 ids = self.tok.encode(text)
                 total += len(ids)
                 last = i == len(script) - 1

@@ -181,6 +181,57 @@ def test_cancelled_stream_frees_the_request(worker: str) -> None:
     assert stats.generated_tokens_total < 1500
 
 
+def test_generate_stream_multiplexes_requests(worker: str) -> None:
+    """Worker.GenerateStream: requests interleave on one stream, each gets what Generate gives it; a bad request
+    fails alone (its error_code) and a duplicate id is refused; cancel frees a request; half-closing the stream
+    lets the open requests finish, then it ends."""
+    greedy = sampling(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    prompts = ["What is 1 + 2?", "Name a colour."]
+
+    async def go() -> tuple[dict[int, list], worker_pb2.WorkerStats, list[int]]:
+        async with grpc.aio.insecure_channel(worker) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            expected = []
+            for p in prompts:
+                expected.append([t async for r in stub.Generate(worker_pb2.GenerateRequest(prompt=p, sampling=greedy))
+                                 for t in r.token_ids])  # fmt: skip
+            call = stub.GenerateStream()
+            start = worker_pb2.GenerateStreamRequest
+            await call.write(start(id=1, start=worker_pb2.GenerateRequest(prompt=prompts[0], sampling=greedy)))
+            await call.write(start(id=2, start=worker_pb2.GenerateRequest(prompt=prompts[1], sampling=greedy)))
+            await call.write(start(id=3, start=worker_pb2.GenerateRequest(prompt="x", stream_interval=-1)))
+            long = worker_pb2.GenerateRequest(prompt="count", sampling=sampling(max_new_tokens=1500, ignore_eos=True))
+            await call.write(start(id=4, start=long))
+            await call.write(start(id=4, start=long))  # a second start under an open id
+            got: dict[int, list] = {}
+            cancelled = False
+            async for msg in call:
+                got.setdefault(msg.id, []).append(msg)
+                if msg.id == 4 and not cancelled and msg.response.token_ids:
+                    await call.write(worker_pb2.GenerateStreamRequest(id=4, cancel=True))
+                    cancelled = True
+                done = [i for i in (1, 2) if got.get(i) and got[i][-1].response.finish_reason]
+                if len(done) == 2 and cancelled:
+                    await call.done_writing()
+            for _ in range(100):
+                stats = await stub.GetStats(worker_pb2.GetStatsRequest())
+                if stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return got, stats, [t for e in expected for t in e]
+
+    got, stats, expected = asyncio.run(go())
+    tokens = [t for i in (1, 2) for m in got[i] for t in m.response.token_ids]
+    assert tokens == expected, "each request streams what Generate streams for it"
+    assert all(m.response.request_id for i in (1, 2) for m in got[i])
+    (bad,) = got[3]
+    assert bad.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "stream_interval" in bad.error_message
+    dup = [m for m in got[4] if m.error_code]
+    assert len(dup) == 1 and "already open" in dup[0].error_message
+    assert sum(len(m.response.token_ids) for m in got[4]) < 1500, "the cancelled request stopped"
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
 def test_concurrent_streams_are_batched(worker: str) -> None:
     async def go() -> list[int]:
         async with grpc.aio.insecure_channel(worker) as channel:

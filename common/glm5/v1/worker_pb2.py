@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from glm5.v1 import common_pb2 as glm5_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/worker.proto\x12\x07glm5.v1\x1a\x14glm5/v1/common.proto\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.glm5.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\x07 \x01(\x08\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x12\x17\n\x0fstream_interval\x18\n \x01(\x05\"\x9a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.glm5.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.glm5.v1.Usage\x12\x16\n\x0eweight_version\x18\t \x01(\x03\"\x11\n\x0fGetStatsRequest\"h\n\rLayerSparsity\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11\x61ttention_entropy\x18\x02 \x01(\x02\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x03 \x01(\x02\x12\x0c\n\x04topk\x18\x04 \x01(\x05\"\x8b\x03\n\x0bWorkerStats\x12\x10\n\x08kv_usage\x18\x01 \x01(\x02\x12\x18\n\x10kv_fragmentation\x18\x02 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\x03\x12\x15\n\rkv_block_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x06 \x01(\x02\x12\x1f\n\x17token_latency_jitter_ms\x18\x07 \x01(\x02\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x16\n\x0eweight_version\x18\n \x01(\x03\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0b \x01(\x02\x12&\n\x06layers\x18\x0c \x03(\x0b\x32\x16.glm5.v1.LayerSparsity\x12\x1e\n\x16generated_tokens_total\x18\r \x01(\x03\x12\x1d\n\x15mean_token_latency_ms\x18\x0e \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xd4\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"9\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08location\x18\x02 \x01(\t\"T\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\x12\x14\n\x0cswap_seconds\x18\x03 \x01(\x02\"\x15\n\x13GetTokenizerRequest\"\\\n\x0eTokenizerFiles\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t2\xe8\x03\n\x06Worker\x12\x41\n\x08Generate\x12\x18.glm5.v1.GenerateRequest\x1a\x19.glm5.v1.GenerateResponse0\x01\x12:\n\x08GetStats\x12\x18.glm5.v1.GetStatsRequest\x1a\x14.glm5.v1.WorkerStats\x12@\n\x0cGetModelInfo\x12\x1c.glm5.v1.GetModelInfoRequest\x1a\x12.glm5.v1.ModelInfo\x12?\n\x08Tokenize\x12\x18.glm5.v1.TokenizeRequest\x1a\x19.glm5.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.glm5.v1.DetokenizeRequest\x1a\x1b.glm5.v1.DetokenizeResponse\x12\x45\n\x0cGetTokenizer\x12\x1c.glm5.v1.GetTokenizerRequest\x1a\x17.glm5.v1.TokenizerFiles\x12N\n\rUpdateWeights\x12\x1d.glm5.v1.UpdateWeightsRequest\x1a\x1e.glm5.v1.UpdateWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/worker.proto\x12\x07glm5.v1\x1a\x14glm5/v1/common.proto\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.glm5.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\x07 \x01(\x08\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x12\x17\n\x0fstream_interval\x18\n \x01(\x05\"j\n\x15GenerateStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.glm5.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"|\n\x16GenerateStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.glm5.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x9a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.glm5.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.glm5.v1.Usage\x12\x16\n\x0eweight_version\x18\t \x01(\x03\"\x11\n\x0fGetStatsRequest\"h\n\rLayerSparsity\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11\x61ttention_entropy\x18\x02 \x01(\x02\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x03 \x01(\x02\x12\x0c\n\x04topk\x18\x04 \x01(\x05\"\x8b\x03\n\x0bWorkerStats\x12\x10\n\x08kv_usage\x18\x01 \x01(\x02\x12\x18\n\x10kv_fragmentation\x18\x02 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\x03\x12\x15\n\rkv_block_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x06 \x01(\x02\x12\x1f\n\x17token_latency_jitter_ms\x18\x07 \x01(\x02\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x16\n\x0eweight_version\x18\n \x01(\x03\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0b \x01(\x02\x12&\n\x06layers\x18\x0c \x03(\x0b\x32\x16.glm5.v1.LayerSparsity\x12\x1e\n\x16generated_tokens_total\x18\r \x01(\x03\x12\x1d\n\x15mean_token_latency_ms\x18\x0e \x01(\x02\"\x15\n\x13GetModelInfoRequest\"\xd4\x01\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"9\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08location\x18\x02 \x01(\t\"T\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\x12\x14\n\x0cswap_seconds\x18\x03 \x01(\x02\"\x15\n\x13GetTokenizerRequest\"\\\n\x0eTokenizerFiles\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t2\xbf\x04\n\x06Worker\x12\x41\n\x08Generate\x12\x18.glm5.v1.GenerateRequest\x1a\x19.glm5.v1.GenerateResponse0\x01\x12U\n\x0eGenerateStream\x12\x1e.glm5.v1.GenerateStreamRequest\x1a\x1f.glm5.v1.GenerateStreamResponse(\x01\x30\x01\x12:\n\x08GetStats\x12\x18.glm5.v1.GetStatsRequest\x1a\x14.glm5.v1.WorkerStats\x12@\n\x0cGetModelInfo\x12\x1c.glm5.v1.GetModelInfoRequest\x1a\x12.glm5.v1.ModelInfo\x12?\n\x08Tokenize\x12\x18.glm5.v1.TokenizeRequest\x1a\x19.glm5.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.glm5.v1.DetokenizeRequest\x1a\x1b.glm5.v1.DetokenizeResponse\x12\x45\n\x0cGetTokenizer\x12\x1c.glm5.v1.GetTokenizerRequest\x1a\x17.glm5.v1.TokenizerFiles\x12N\n\rUpdateWeights\x12\x1d.glm5.v1.UpdateWeightsRequest\x1a\x1e.glm5.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=56
   _globals['_GENERATEREQUEST']._serialized_end=339
-  _globals['_GENERATERESPONSE']._serialized_start=342
-  _globals['_GENERATERESPONSE']._serialized_end=624
-  _globals['_GETSTATSREQUEST']._serialized_start=626
-  _globals['_GETSTATSREQUEST']._serialized_end=643
-  _globals['_LAYERSPARSITY']._serialized_start=645
-  _globals['_LAYERSPARSITY']._serialized_end=749
-  _globals['_WORKERSTATS']._serialized_start=752
-  _globals['_WORKERSTATS']._serialized_end=1147
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1149
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1170
-  _globals['_MODELINFO']._serialized_start=1173
-  _globals['_MODELINFO']._serialized_end=1385
-  _globals['_TOKENIZEREQUEST']._serialized_start=1387
-  _globals['_TOKENIZEREQUEST']._serialized_end=1446
-  _globals['_TOKENIZERESPONSE']._serialized_start=1448
-  _globals['_TOKENIZERESPONSE']._serialized_end=1485
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1487
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1554
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1556
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1590
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1592
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1649
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1651
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1735
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=1737
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=1758
-  _globals['_TOKENIZERFILES']._serialized_start=1760
-  _globals['_TOKENIZERFILES']._serialized_end=1852
-  _globals['_WORKER']._serialized_start=1855
-  _globals['_WORKER']._serialized_end=2343
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=341
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=447
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=449
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=573
+  _globals['_GENERATERESPONSE']._serialized_start=576
+  _globals['_GENERATERESPONSE']._serialized_end=858
+  _globals['_GETSTATSREQUEST']._serialized_start=860
+  _globals['_GETSTATSREQUEST']._serialized_end=877
+  _globals['_LAYERSPARSITY']._serialized_start=879
+  _globals['_LAYERSPARSITY']._serialized_end=983
+  _globals['_WORKERSTATS']._serialized_start=986
+  _globals['_WORKERSTATS']._serialized_end=1381
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1383
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1404
+  _globals['_MODELINFO']._serialized_start=1407
+  _globals['_MODELINFO']._serialized_end=1619
+  _globals['_TOKENIZEREQUEST']._serialized_start=1621
+  _globals['_TOKENIZEREQUEST']._serialized_end=1680
+  _globals['_TOKENIZERESPONSE']._serialized_start=1682
+  _globals['_TOKENIZERESPONSE']._serialized_end=1719
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1721
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1788
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1790
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1824
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1826
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1883
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1885
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1969
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=1971
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=1992
+  _globals['_TOKENIZERFILES']._serialized_start=1994
+  _globals['_TOKENIZERFILES']._serialized_end=2086
+  _globals['_WORKER']._serialized_start=2089
+  _globals['_WORKER']._serialized_end=2664
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=glm5_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/glm5.v1.Worker/GenerateStream',
+                request_serializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/glm5.v1.Worker/GetStats',
                 request_serializer=glm5_dot_v1_dot_worker__pb2.GetStatsRequest.SerializeToString,
@@ -79,6 +84,17 @@ class WorkerServicer:
     def Generate(self, request, context):
         """Streams the generated tokens of one request. The first message may carry only prompt_logprobs;
         the last one carries finish_reason and usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate requests over one long-lived stream (what the router keeps open to each worker: no call set-up
+        per request). A request starts with `start` under a caller-chosen `id`, unique among the stream's open
+        requests; its responses carry the id and are exactly what Generate would stream; it ends with a response
+        whose finish_reason is set, or with `error_code` (the status Generate would have ended with). `cancel`
+        stops one request; ending or cancelling the stream stops every request still open on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -134,6 +150,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=glm5_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -194,6 +215,33 @@ class Worker:
             '/glm5.v1.Worker/Generate',
             glm5_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             glm5_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/glm5.v1.Worker/GenerateStream',
+            glm5_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
+            glm5_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -124,9 +124,9 @@ class Dispatcher:
             "glm5.v1.Worker/Generate", kind=SpanKind.CLIENT,
             attributes={"rpc.system": "grpc", "server.address": worker.address, "glm5.attempt": job.attempts},
         )  # fmt: skip
-        call = worker.stub.Generate(job.request)
+        stream = worker.requests.generate(job.request)
         try:
-            async for resp in call:
+            async for resp in stream:
                 job.started = True
                 yield resp
         except grpc.aio.AioRpcError as exc:
@@ -142,7 +142,7 @@ class Dispatcher:
             raise
         finally:
             span.end()
-            call.cancel()  # no-op when it finished; frees the worker's slot when the client left
+            await stream.aclose()  # no-op when it finished; frees the worker's slot when the client left
             self._release(worker, job)
             if outcome is None:
                 worker.breaker.forget()

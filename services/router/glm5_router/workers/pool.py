@@ -17,6 +17,7 @@ from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 from glm5_router.config import RouterConfig
 from glm5_router.workers.breaker import CircuitBreaker, State
+from glm5_router.workers.stream import WorkerStream
 
 log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -34,6 +35,10 @@ class Worker:
     outstanding_tokens: int = 0  # sum of max_new_tokens of requests assigned and not finished
     in_flight: int = 0
     excluded: str = ""  # why it is never used (tokenizer mismatch)
+    requests: WorkerStream = field(init=False)  # Generate requests, multiplexed over one stream
+
+    def __post_init__(self) -> None:
+        self.requests = WorkerStream(self.stub, self.address)
 
     @property
     def kv_usage(self) -> float:
@@ -103,7 +108,8 @@ class WorkerPool:
         for address in set(self.workers) - want:
             worker = self.workers.pop(address)
             log.info("worker %s removed (no longer discovered)", address)
-            await worker.channel.close(grace=30)  # in-flight streams may finish
+            worker.requests.drain()
+            await worker.channel.close(grace=30)  # in-flight requests may finish
         self.on_change()
 
     async def _discovery_loop(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import grpc
 from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
+from glm5.serving import RequestFailed, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped
@@ -79,12 +80,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        try:
+            async for resp in self._generate(request):
+                yield resp
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def GenerateStream(
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+        await context.send_initial_metadata(())  # the caller waits for it before writing (router: WorkerStream)
+        async for resp in serve_multiplexed(self._generate, request_iterator):
+            yield resp
+
+    async def _generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """One request's responses; a failure raises RequestFailed with the status the caller gets."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
         if request.prompt and request.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: give prompt or prompt_token_ids, not both")
+            raise RequestFailed(invalid, "prompt: give prompt or prompt_token_ids, not both")
         if request.top_logprobs < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs: must be >= 0")
+            raise RequestFailed(invalid, "top_logprobs: must be >= 0")
         if request.stream_interval < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream_interval: must be >= 0")
+            raise RequestFailed(invalid, "stream_interval: must be >= 0")
         params = sampling_from_proto(request, self.default_max_new_tokens)
         stream = self.engine.generate(
             request.request_id or None,
@@ -98,15 +115,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             async for out in stream:
                 yield response_from_output(out)
         except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestFailed(invalid, str(exc)) from None
         except CapacityError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except EngineStopped as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except EngineFailure as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            raise RequestFailed(grpc.StatusCode.INTERNAL, str(exc)) from None
         finally:
-            await stream.aclose()  # client gone or error: abort the request in the engine
+            await stream.aclose()  # caller gone or error: abort the request in the engine
 
     async def GetStats(
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
