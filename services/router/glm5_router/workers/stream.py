@@ -22,6 +22,7 @@ from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 CODES = {code.value[0]: code for code in grpc.StatusCode}
+OPEN_TIMEOUT_S = 10.0  # a worker that answers health checks opens a stream in milliseconds
 
 Item: TypeAlias = "worker_pb2.GenerateStreamResponse | grpc.aio.AioRpcError"
 
@@ -100,7 +101,11 @@ class WorkerStream:
         if self._call is None:
             call = self.stub.GenerateStream()
             try:
-                await call.initial_metadata()  # the worker sends it at once; an old worker ends the call instead
+                try:  # the worker sends it at once; an old worker ends the call instead
+                    await asyncio.wait_for(call.initial_metadata(), OPEN_TIMEOUT_S)
+                except TimeoutError:
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} did not open a request "
+                                    f"stream within {OPEN_TIMEOUT_S:.0f} s") from None  # fmt: skip
                 code = await call.code() if call.done() else grpc.StatusCode.OK
                 if code == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("worker %s has no GenerateStream: one call per request", self.address)
