@@ -1,17 +1,19 @@
 """Router benchmarks (results in docs/benchmarks.md):
 
     python -m benchmarks.router latency   [--requests 400]     added latency, router vs the worker directly
-    python -m benchmarks.router throughput [--seconds 10]      streamed requests/s (16 tokens each)
+    python -m benchmarks.router throughput [--seconds 10] [--step-ms 0]   streamed requests/s (16 tokens each)
     python -m benchmarks.router sm4        [--mib 64]          SM4-GCM envelope path vs the raw cipher
     python -m benchmarks.router batching   [--requests 400]    token-budget batching vs a fixed 100 ms window
 
 Latency and throughput isolate the router: the worker is tests/helpers/scripted_worker.py (the real Worker
-gRPC API streaming fixed text, 16 chunks per request), run as its own process, as is the router; the client
-is this process. Beside them runs benchmarks/bare_relay.py, a grpc.aio relay that does nothing but forward:
-the floor of one more Python gRPC hop on this machine, so the router's own cost can be told from the hop's.
-Throughput also reports each hop's CPU milliseconds per request (from /proc), which does not depend on how
-the cores happen to be shared. The machines are shared and noisy: medians over repeats and alternating
-rounds, ratios against the baseline run in the same process.
+gRPC API streaming fixed text, 16 one-token chunks per request: all at once by default, or one per request every
+--step-ms like an engine's decode step), run as its own process, as is the router; the client is this process.
+Beside them runs benchmarks/bare_relay.py, a grpc.aio relay that does nothing but forward: the floor of one more
+Python gRPC hop on this machine, so the router's own cost can be told from the hop's. Throughput also reports
+each hop's CPU milliseconds per request (from /proc), which does not depend on how the cores happen to be
+shared, and the messages a request arrived in (the router merges chunks that were ready together). The machines
+are shared and noisy: medians over repeats and alternating rounds, ratios against the baseline run in the same
+process.
 """
 
 from __future__ import annotations
@@ -52,18 +54,25 @@ async def _timed_stream(call: Callable[[], Awaitable[tuple[int, float]]]) -> tup
 Call = Callable[[int], Awaitable[tuple[int, float]]]
 
 
+MESSAGES: dict[str, int] = {}  # streamed messages received per path: a hop may merge chunks that were ready together
+
+
 def _caller(target: str, kind: str) -> tuple[grpc.aio.Channel, Call]:
-    """A channel and a one-request call against the worker ("direct") or a Router service."""
+    """A channel and a one-request call against the worker ("direct") or a Router service; a call returns the
+    number of tokens streamed and when the first arrived."""
     ch = grpc.aio.insecure_channel(target)
     wstub, rstub = worker_pb2_grpc.WorkerStub(ch), router_pb2_grpc.RouterStub(ch)
     ids = list(range(10, 26))
+    MESSAGES.setdefault(kind, 0)
 
     async def count(stream: Any) -> tuple[int, float]:
-        n, first = 0, 0.0
-        async for _ in stream:
+        n, first, messages = 0, 0.0, 0
+        async for msg in stream:
             if n == 0:
                 first = time.perf_counter()
-            n += 1
+            n += len((msg if kind == "direct" else msg.response).token_ids)
+            messages += 1
+        MESSAGES[kind] += messages
         return n, first
 
     async def direct(i: int) -> tuple[int, float]:
@@ -89,9 +98,9 @@ class Stack:
     `targets` maps "direct" / "bare relay" / "router" to where the client sends, `pids` to the process the
     hop runs in."""
 
-    def __init__(self, *router_flags: str, bare: bool = True) -> None:
+    def __init__(self, *router_flags: str, bare: bool = True, step_ms: float = 0.0) -> None:
         self.procs: list[subprocess.Popen] = []
-        worker_proc, worker = start_scripted_worker()
+        worker_proc, worker = start_scripted_worker(None, None, "--step-ms", str(step_ms))
         self.procs.append(worker_proc)
         self.targets = {"direct": worker}
         self.pids = {"direct": worker_proc.pid}
@@ -113,8 +122,10 @@ class Stack:
             stop(proc)
 
 
-def with_stack(fn: Callable[[Stack], Awaitable[None]], *router_flags: str, bare: bool = True) -> None:
-    stack = Stack(*router_flags, bare=bare)
+def with_stack(
+    fn: Callable[[Stack], Awaitable[None]], *router_flags: str, bare: bool = True, step_ms: float = 0.0
+) -> None:
+    stack = Stack(*router_flags, bare=bare, step_ms=step_ms)
     try:
         asyncio.run(fn(stack))
     finally:
@@ -156,9 +167,9 @@ def latency(requests: int, repeats: int) -> None:
     with_stack(go)
 
 
-def throughput(seconds: float, concurrency: int, rounds: int) -> None:
-    async def run(call: Call, pids: list[int]) -> tuple[float, list[float]]:
-        """requests/s and CPU milliseconds per request of each pid."""
+def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float) -> None:
+    async def run(kind: str, call: Call, pids: list[int]) -> tuple[float, list[float], float]:
+        """requests/s, CPU milliseconds per request of each pid, messages per request at the client."""
         done = 0
         stop_at = time.perf_counter() + seconds
 
@@ -168,32 +179,36 @@ def throughput(seconds: float, concurrency: int, rounds: int) -> None:
                 assert (await call(k))[0] == TOKENS
                 done += 1
 
-        cpu0 = [_cpu_seconds(p) for p in pids]
+        cpu0, m0 = [_cpu_seconds(p) for p in pids], MESSAGES[kind]
         t = time.perf_counter()
         await asyncio.gather(*(loop(k) for k in range(concurrency)))
         rate = done / (time.perf_counter() - t)
-        return rate, [(_cpu_seconds(p) - c) * 1000 / max(done, 1) for p, c in zip(pids, cpu0, strict=True)]
+        cpu = [(_cpu_seconds(p) - c) * 1000 / max(done, 1) for p, c in zip(pids, cpu0, strict=True)]
+        return rate, cpu, (MESSAGES[kind] - m0) / max(done, 1)
 
     async def go(stack: Stack) -> None:
         calls = {kind: _caller(target, kind) for kind, target in stack.targets.items()}
-        got: dict[str, list[tuple[float, list[float]]]] = {k: [] for k in calls}
+        got: dict[str, list[tuple[float, list[float], float]]] = {k: [] for k in calls}
         for _ in range(rounds):  # alternating, so machine noise hits every path alike
             for kind, (_, call) in calls.items():
                 pids = [stack.pids["direct"]] + ([stack.pids[kind]] if kind != "direct" else [])
-                got[kind].append(await run(call, pids))
+                got[kind].append(await run(kind, call, pids))
         for ch, _ in calls.values():
             await ch.close()
+        clock = f"one token per request every {step_ms:g} ms (an engine step)" if step_ms else "all tokens at once"
         print(f"concurrency {concurrency}, {rounds} alternating rounds of {seconds:.0f}s, {TOKENS} streamed tokens per "
-              f"request; medians (worker, hop and client share this machine's cores)")  # fmt: skip
-        print(f"{'path':<12}{'req/s':>8}{'x direct':>10}{'worker CPU ms/req':>19}{'hop CPU ms/req':>16}")
-        direct = statistics.median(r for r, _ in got["direct"])
+              f"request, {clock}; medians (worker, hop and client share this machine's cores)")  # fmt: skip
+        print(f"{'path':<12}{'req/s':>8}{'x direct':>10}{'worker CPU ms/req':>19}{'hop CPU ms/req':>16}"
+              f"{'msgs/req':>10}")  # fmt: skip
+        direct = statistics.median(r for r, _, _ in got["direct"])
         for kind, rows in got.items():
-            rate = statistics.median(r for r, _ in rows)
-            worker_ms = statistics.median(c[0] for _, c in rows)
-            hop = f"{statistics.median(c[1] for _, c in rows):16.2f}" if kind != "direct" else f"{'':>16}"
-            print(f"{kind:<12}{rate:8.0f}{rate / direct:9.2f}x{worker_ms:19.2f}{hop}")
+            rate = statistics.median(r for r, _, _ in rows)
+            worker_ms = statistics.median(c[0] for _, c, _ in rows)
+            hop = f"{statistics.median(c[1] for _, c, _ in rows):16.2f}" if kind != "direct" else f"{'':>16}"
+            msgs = statistics.median(m for _, _, m in rows)
+            print(f"{kind:<12}{rate:8.0f}{rate / direct:9.2f}x{worker_ms:19.2f}{hop}{msgs:10.1f}")
 
-    with_stack(go)
+    with_stack(go, step_ms=step_ms)
 
 
 def sm4(mib: int, chunk_kib: int) -> None:
@@ -259,7 +274,7 @@ def batching(requests: int, rate: float) -> None:
             req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(
                 prompt_token_ids=list(range(10, 26)), sampling=sampling(max_new_tokens=TOKENS)))  # fmt: skip
             t = time.perf_counter()
-            n = sum([1 async for _ in stub.Generate(req)])
+            n = sum([len(r.response.token_ids) async for r in stub.Generate(req)])
             assert n == TOKENS
             lat.append((time.perf_counter() - t) * 1000)
 
@@ -297,6 +312,7 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=10)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--step-ms", type=float, default=0.0, help="the worker's step clock (0: all tokens at once)")
     p = sub.add_parser("sm4")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--chunk-kib", type=int, default=16)
@@ -307,7 +323,7 @@ if __name__ == "__main__":
     if a.what == "latency":
         latency(a.requests, a.repeats)
     elif a.what == "throughput":
-        throughput(a.seconds, a.concurrency, a.rounds)
+        throughput(a.seconds, a.concurrency, a.rounds, a.step_ms)
     elif a.what == "sm4":
         sm4(a.mib, a.chunk_kib)
     else:

@@ -64,13 +64,27 @@ class RequestFailed(Exception):
 
 
 OneRequest = Callable[[worker_pb2.GenerateRequest], AsyncIterator[worker_pb2.GenerateResponse]]
+BATCH_LIMIT = 256  # responses per GenerateStreamResponses: bounds a message's size, not how much is sent at once
+
+
+def merge_response(into: worker_pb2.GenerateResponse, more: worker_pb2.GenerateResponse) -> bool:
+    """Appends `more` (the next response of the same request) to `into`, as one message would have carried both;
+    False, leaving both alone, when they cannot be one message (different weight versions, or `into` ended)."""
+    if into.finish_reason or into.weight_version != more.weight_version:
+        return False
+    text = into.text + more.text
+    into.MergeFrom(more)  # repeated fields append; set scalars (finish_reason, usage, stop_reason) take `more`'s
+    into.text = text
+    return True
 
 
 async def serve_multiplexed(
-    one: OneRequest, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]
-) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+    one: OneRequest, requests: AsyncIterator[worker_pb2.GenerateStreamRequests]
+) -> AsyncIterator[worker_pb2.GenerateStreamResponses]:
     """Worker.GenerateStream from a Generate implementation (`one`): each started request runs as its own task and
-    its responses are interleaved onto the stream as they come; `cancel` and the end of the stream stop them."""
+    its responses are interleaved onto the stream as they come; `cancel` and the end of the stream stop them.
+    Whatever is ready when the stream can take the next message goes out as one batch, a request's responses in it
+    merged into one (what a slow reader of Generate would have got)."""
     out: asyncio.Queue[worker_pb2.GenerateStreamResponse | None] = asyncio.Queue()
     tasks: dict[int, asyncio.Task[None]] = {}
 
@@ -91,19 +105,22 @@ async def serve_multiplexed(
 
     async def read() -> None:
         try:
-            async for msg in requests:
-                action = msg.WhichOneof("action")
-                if action == "start":
-                    if msg.id in tasks:
-                        fail(msg.id, grpc.StatusCode.INVALID_ARGUMENT, f"id: {msg.id} is already open on this stream")
+            async for batch in requests:
+                for msg in batch.requests:
+                    action = msg.WhichOneof("action")
+                    if action == "start":
+                        if msg.id in tasks:
+                            fail(
+                                msg.id, grpc.StatusCode.INVALID_ARGUMENT, f"id: {msg.id} is already open on this stream"
+                            )
+                        else:
+                            tasks[msg.id] = asyncio.create_task(run(msg.id, msg.start))
+                    elif action == "cancel":
+                        task = tasks.get(msg.id)
+                        if task is not None:
+                            task.cancel()
                     else:
-                        tasks[msg.id] = asyncio.create_task(run(msg.id, msg.start))
-                elif action == "cancel":
-                    task = tasks.get(msg.id)
-                    if task is not None:
-                        task.cancel()
-                else:
-                    fail(msg.id, grpc.StatusCode.INVALID_ARGUMENT, "action: give start or cancel")
+                        fail(msg.id, grpc.StatusCode.INVALID_ARGUMENT, "action: give start or cancel")
             if tasks:  # the caller half-closed: finish what is open, then end the stream
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
         finally:
@@ -111,8 +128,23 @@ async def serve_multiplexed(
 
     reader = asyncio.create_task(read())
     try:
-        while (item := await out.get()) is not None:
-            yield item
+        ended = False
+        while not ended:
+            item = await out.get()
+            batch = worker_pb2.GenerateStreamResponses()
+            last: dict[int, worker_pb2.GenerateStreamResponse] = {}  # each id's last entry in this batch
+            while item is not None:
+                prev = last.get(item.id)
+                if not (prev is not None and not prev.error_code and not item.error_code
+                        and merge_response(prev.response, item.response)):  # fmt: skip
+                    batch.responses.append(item)
+                    last[item.id] = batch.responses[-1]
+                if len(batch.responses) >= BATCH_LIMIT or out.empty():
+                    break
+                item = out.get_nowait()
+            ended = item is None
+            if batch.responses:
+                yield batch
         await reader
     finally:
         reader.cancel()

@@ -78,9 +78,11 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{url} not answering after {timeout}s")
 
 
-def start_scripted_worker(stats_file: Path | None = None, port: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_scripted_worker(
+    stats_file: Path | None = None, port: int | None = None, *extra: str
+) -> tuple[subprocess.Popen, str]:
     port = port or free_port()
-    cmd = [sys.executable, "-m", "tests.helpers.scripted_worker", "--port", str(port)]
+    cmd = [sys.executable, "-m", "tests.helpers.scripted_worker", "--port", str(port), *extra]
     if stats_file is not None:
         cmd += ["--stats-file", str(stats_file)]
     proc = subprocess.Popen(cmd, env=os.environ.copy(), cwd=Path(__file__).resolve().parents[2])

@@ -8,13 +8,16 @@ tokenizer, so token ids and the tokenizer fingerprint are genuine. The prompt pi
 - contains TOOL   -> a get_weather tool call (BADTOOL: a call to an unknown tool)
 - contains FAIL_BEFORE -> UNAVAILABLE before any token;  FAIL_AFTER -> two chunks, then UNAVAILABLE
 - contains SLOW   -> 50 ms between chunks
-- otherwise       -> `max_new_tokens` chunks of " tok"
+- otherwise       -> `max_new_tokens` chunks of " token" (one token each)
+
+With --step-ms S the chunks follow an engine's clock instead of coming all at once: every S milliseconds each
+running request gets its next chunk, all in the same instant (what a worker's decode step does).
 
 GetStats reports the numbers in the JSON file given with --stats-file (re-read on every call), so a test can
 make the worker look fragmented or jittery; in that file `"_unhealthy": true` makes GetStats fail and
 `"_fail": "before"` makes every Generate fail before its first token.
 
-    python -m tests.helpers.scripted_worker --port 50999 [--stats-file f.json]
+    python -m tests.helpers.scripted_worker --port 50999 [--stats-file f.json] [--step-ms 20]
 """
 
 from __future__ import annotations
@@ -45,12 +48,25 @@ SCRIPTS = {
 
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
-    def __init__(self, tokenizer: Tokenizer, stats_file: Path | None, name: str) -> None:
+    def __init__(self, tokenizer: Tokenizer, stats_file: Path | None, name: str, step_ms: float = 0.0) -> None:
         self.tok = tokenizer
         self.stats_file = stats_file
         self.name = name
         self.served = 0
         self.running = 0
+        self.step_s = step_ms / 1000
+        self._step: asyncio.Future[None] | None = None  # resolved at the next engine step (--step-ms)
+
+    async def _next_step(self) -> None:
+        if self._step is None:
+            self._step = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_later(self.step_s, self._tick)
+        await asyncio.shield(self._step)
+
+    def _tick(self) -> None:
+        step, self._step = self._step, None
+        if step is not None:
+            step.set_result(None)
 
     def _control(self) -> dict[str, Any]:
         if self.stats_file is not None and self.stats_file.exists():
@@ -77,13 +93,15 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             n = request.sampling.max_new_tokens if request.sampling.HasField("max_new_tokens") else 16
             if "FAIL_BEFORE" in prompt or self._control().get("_fail") == "before":
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "scripted failure before the first token")
-            script = next((v for k, v in SCRIPTS.items() if k in prompt), [" tok"] * n)
+            script = next((v for k, v in SCRIPTS.items() if k in prompt), [" token"] * n)
             tail = prompt.rstrip()
             if "THINK" in prompt and tail.endswith("</think>") and not tail.endswith("<think></think>"):
                 script = ["The answer ", "is 5."]  # a continuation after forced </think>: answer only
             delay = 0.05 if "SLOW" in prompt else 0.0
             total = 0
             for i, text in enumerate(script):
+                if self.step_s:
+                    await self._next_step()
                 if "FAIL_AFTER" in prompt and i == 2:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "scripted failure mid-stream")
                 ids = self.tok.encode(text)
@@ -120,10 +138,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         )
 
 
-async def serve(port: int, stats_file: Path | None, name: str) -> None:
+async def serve(port: int, stats_file: Path | None, name: str, step_ms: float) -> None:
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServicer_to_server(
-        ScriptedWorker(Tokenizer(default_model_path()), stats_file, name), server
+        ScriptedWorker(Tokenizer(default_model_path()), stats_file, name, step_ms), server
     )  # type: ignore[no-untyped-call]
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -142,5 +160,6 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--stats-file", type=Path)
     parser.add_argument("--name", default="glm5-scripted")
+    parser.add_argument("--step-ms", type=float, default=0.0)
     a = parser.parse_args()
-    asyncio.run(serve(a.port, a.stats_file, a.name))
+    asyncio.run(serve(a.port, a.stats_file, a.name, a.step_ms))

@@ -196,19 +196,24 @@ def test_generate_stream_multiplexes_requests(worker: str) -> None:
                 expected.append([t async for r in stub.Generate(worker_pb2.GenerateRequest(prompt=p, sampling=greedy))
                                  for t in r.token_ids])  # fmt: skip
             call = stub.GenerateStream()
-            start = worker_pb2.GenerateStreamRequest
-            await call.write(start(id=1, start=worker_pb2.GenerateRequest(prompt=prompts[0], sampling=greedy)))
-            await call.write(start(id=2, start=worker_pb2.GenerateRequest(prompt=prompts[1], sampling=greedy)))
-            await call.write(start(id=3, start=worker_pb2.GenerateRequest(prompt="x", stream_interval=-1)))
+            start, many = worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamRequests
+            await call.write(many(requests=[  # a message may carry several actions
+                start(id=1, start=worker_pb2.GenerateRequest(prompt=prompts[0], sampling=greedy)),
+                start(id=2, start=worker_pb2.GenerateRequest(prompt=prompts[1], sampling=greedy))]))  # fmt: skip
+            await call.write(
+                many(requests=[start(id=3, start=worker_pb2.GenerateRequest(prompt="x", stream_interval=-1))])
+            )
             long = worker_pb2.GenerateRequest(prompt="count", sampling=sampling(max_new_tokens=1500, ignore_eos=True))
-            await call.write(start(id=4, start=long))
-            await call.write(start(id=4, start=long))  # a second start under an open id
+            await call.write(
+                many(requests=[start(id=4, start=long), start(id=4, start=long)])
+            )  # a second start under an open id
             got: dict[int, list] = {}
             cancelled = False
-            async for msg in call:
-                got.setdefault(msg.id, []).append(msg)
-                if msg.id == 4 and not cancelled and msg.response.token_ids:
-                    await call.write(worker_pb2.GenerateStreamRequest(id=4, cancel=True))
+            async for batch in call:
+                for msg in batch.responses:
+                    got.setdefault(msg.id, []).append(msg)
+                if not cancelled and any(m.response.token_ids for m in got.get(4, [])):
+                    await call.write(many(requests=[start(id=4, cancel=True)]))
                     cancelled = True
                 done = [i for i in (1, 2) if got.get(i) and got[i][-1].response.finish_reason]
                 if len(done) == 2 and cancelled:
@@ -220,7 +225,7 @@ def test_generate_stream_multiplexes_requests(worker: str) -> None:
                 await asyncio.sleep(0.05)
             return got, stats, [t for e in expected for t in e]
 
-    got, stats, expected = asyncio.run(go())
+    got, stats, expected = asyncio.run(asyncio.wait_for(go(), 120))
     tokens = [t for i in (1, 2) for m in got[i] for t in m.response.token_ids]
     assert tokens == expected, "each request streams what Generate streams for it"
     assert all(m.response.request_id for i in (1, 2) for m in got[i])

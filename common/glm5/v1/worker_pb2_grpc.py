@@ -42,8 +42,8 @@ class WorkerStub:
                 _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/glm5.v1.Worker/GenerateStream',
-                request_serializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
-                response_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+                request_serializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamRequests.SerializeToString,
+                response_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamResponses.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/glm5.v1.Worker/GetStats',
@@ -94,7 +94,8 @@ class WorkerServicer:
         per request). A request starts with `start` under a caller-chosen `id`, unique among the stream's open
         requests; its responses carry the id and are exactly what Generate would stream; it ends with a response
         whose finish_reason is set, or with `error_code` (the status Generate would have ended with). `cancel`
-        stops one request; ending or cancelling the stream stops every request still open on it.
+        stops one request; ending or cancelling the stream stops every request still open on it. Messages carry
+        batches: what is ready together travels together (an engine step's tokens for every request on the stream).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,8 +154,8 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamRequest.FromString,
-                    response_serializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamResponse.SerializeToString,
+                    request_deserializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamRequests.FromString,
+                    response_serializer=glm5_dot_v1_dot_worker__pb2.GenerateStreamResponses.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -240,8 +241,8 @@ class Worker:
             request_iterator,
             target,
             '/glm5.v1.Worker/GenerateStream',
-            glm5_dot_v1_dot_worker__pb2.GenerateStreamRequest.SerializeToString,
-            glm5_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+            glm5_dot_v1_dot_worker__pb2.GenerateStreamRequests.SerializeToString,
+            glm5_dot_v1_dot_worker__pb2.GenerateStreamResponses.FromString,
             options,
             channel_credentials,
             insecure,

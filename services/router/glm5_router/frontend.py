@@ -305,18 +305,22 @@ class Frontend:
             async for resp in self.submit(job):
                 yield resp
             return
-        spent, generated = 0, []
+        spent, generated, cut = 0, [], False
         async with contextlib.aclosing(self.submit(job)) as stream:
-            async for resp in stream:
-                if parser.in_reasoning:
-                    spent += len(resp.token_ids)
-                generated += resp.token_ids
-                yield resp
-                if resp.finish_reason or not (parser.in_reasoning and spent >= budget):
-                    continue
-                break
-            else:
-                return  # finished within the budget
+            async for merged in stream:
+                # tokens that arrived together are counted one by one, so the cut lands at the budget
+                for resp in per_token(self.tokenizer, merged):
+                    if parser.in_reasoning:
+                        spent += len(resp.token_ids)
+                    generated += resp.token_ids
+                    yield resp
+                    if not resp.finish_reason and parser.in_reasoning and spent >= budget:
+                        cut = True
+                        break
+                if cut:
+                    break
+        if not cut:
+            return  # finished within the budget
         close = self.tokenizer.encode(THINK_CLOSE)
         yield worker_pb2.GenerateResponse(request_id=job.id, token_ids=close, text=THINK_CLOSE)
         left = job.max_new_tokens - len(generated) - len(close)
@@ -339,6 +343,40 @@ class Frontend:
             specials = [t for t in self.tokenizer.special_tokens if t not in STRUCTURAL]
             self._strip = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) or "(?!)")
         return self._strip.sub("", text)
+
+
+def per_token(tokenizer: Tokenizer, resp: worker_pb2.GenerateResponse) -> list[worker_pb2.GenerateResponse]:
+    """`resp` as the one-token responses it merges (usage and finish on the last), or `resp` alone when its
+    text is not exactly its tokens' (a delta that caught up on a character split across earlier tokens)."""
+    ids = list(resp.token_ids)
+    if len(ids) < 2:
+        return [resp]
+    texts, done = [], ""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k])
+        if "\ufffd" in text[len(done) :] and k < len(ids):  # inside a UTF-8 character: the next token has it
+            texts.append("")
+            continue
+        if not text.startswith(done):
+            return [resp]
+        texts.append(text[len(done) :])
+        done = text
+    if done != resp.text:
+        return [resp]
+    logprobs = list(resp.logprobs)
+    pieces = []
+    for k, (token, text) in enumerate(zip(ids, texts, strict=True)):
+        piece = worker_pb2.GenerateResponse(request_id=resp.request_id, token_ids=[token], text=text,
+                                            weight_version=resp.weight_version)  # fmt: skip
+        if k < len(logprobs):
+            piece.logprobs.append(logprobs[k])
+        pieces.append(piece)
+    pieces[0].prompt_logprobs.extend(resp.prompt_logprobs)
+    last = pieces[-1]
+    last.finish_reason, last.stop_reason = resp.finish_reason, resp.stop_reason
+    if resp.HasField("usage"):
+        last.usage.CopyFrom(resp.usage)
+    return pieces
 
 
 def _decode_call(i: int, tc: Any) -> dict[str, Any]:

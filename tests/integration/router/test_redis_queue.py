@@ -45,7 +45,7 @@ def test_two_routers_share_one_queue(redis_url: str, tmp_path: Path) -> None:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(_client(base).completions.create, model="glm5-scripted", prompt=f"p{i}",
                                    max_tokens=3) for i, base in enumerate([base_a, base_b] * 6)]  # fmt: skip
-            assert [f.result().choices[0].text for f in futures] == [" tok" * 3] * 12
+            assert [f.result().choices[0].text for f in futures] == [" token" * 3] * 12
         assert _served(worker) == 12
         assert redis.Redis.from_url(redis_url).zcard("queue:short") == 0
     finally:
@@ -81,10 +81,10 @@ def test_queued_requests_survive_a_router_restart_and_complete_exactly_once(redi
         router, _, base = start_router([worker], "--redis-url", redis_url, log=tmp_path / "b.log")
         for i, rid in enumerate(ids):  # the clients come back with their request ids
             out = _client(base, rid).completions.create(model="glm5-scripted", prompt=f"job {i}", max_tokens=4)
-            assert out.choices[0].text == " tok" * 4
+            assert out.choices[0].text == " token" * 4
         assert _served(worker) == 3  # each ran exactly once
         again = _client(base, ids[0]).completions.create(model="glm5-scripted", prompt="job 0", max_tokens=4)
-        assert again.choices[0].text == " tok" * 4 and _served(worker) == 3  # a repeat attaches, never reruns
+        assert again.choices[0].text == " token" * 4 and _served(worker) == 3  # a repeat attaches, never reruns
         assert r.zcard("queue:short") == 0
     finally:
         stop(router)

@@ -126,3 +126,28 @@ def test_unclosed_call_and_bad_registry() -> None:
         ToolRegistry.from_openai(TOOLS + TOOLS[:1])
     sigs = {t.signature for t in ToolRegistry.from_openai(TOOLS).tools.values()}
     assert len(sigs) == 2
+
+
+def test_a_merged_response_splits_into_its_tokens() -> None:
+    """Budget forcing counts reasoning tokens one by one even when several arrived in one message."""
+    from glm5.model.presets import default_model_path
+    from glm5.tokenizer.tokenizer import Tokenizer
+    from glm5.v1 import common_pb2, worker_pb2
+    from glm5_router.frontend import per_token
+
+    tok = Tokenizer(default_model_path())
+    text = "Zürich 東京 ok"
+    ids = tok.encode(text)
+    merged = worker_pb2.GenerateResponse(
+        request_id="r", token_ids=ids, text=text, weight_version=4,
+        logprobs=[common_pb2.TokenLogprob(token_id=i, logprob=-float(k)) for k, i in enumerate(ids)],
+        finish_reason=common_pb2.FINISH_REASON_STOP, usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=9),
+    )  # fmt: skip
+    pieces = per_token(tok, merged)
+    assert len(pieces) == len(ids) > 2 and all(len(p.token_ids) == 1 for p in pieces)
+    assert [p.token_ids[0] for p in pieces] == ids and "".join(p.text for p in pieces) == text
+    assert [p.logprobs[0].logprob for p in pieces] == [-float(k) for k in range(len(ids))]
+    assert all(not p.finish_reason for p in pieces[:-1]) and pieces[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert pieces[-1].usage.completion_tokens == 9 and {p.weight_version for p in pieces} == {4}
+    lagging = worker_pb2.GenerateResponse(token_ids=ids[1:], text="x" + text)  # text of an earlier token too
+    assert per_token(tok, lagging) == [lagging]

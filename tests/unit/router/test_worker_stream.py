@@ -47,6 +47,10 @@ async def _collect(stream: AsyncIterator[worker_pb2.GenerateResponse]) -> list[w
     return [r async for r in stream]
 
 
+def _tokens(out: list[worker_pb2.GenerateResponse]) -> list[int]:
+    return [t for r in out for t in r.token_ids]
+
+
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer(default_model_path())
@@ -59,14 +63,19 @@ def test_concurrent_requests_share_one_stream(tok: Tokenizer) -> None:
         async with grpc.aio.insecure_channel(target) as channel:
             ws = WorkerStream(worker_pb2_grpc.WorkerStub(channel), target)  # type: ignore[no-untyped-call]
             outs = await asyncio.gather(*(_collect(ws.generate(_request(tok, f"hello {i}", 5))) for i in range(6)))
-            assert [len(out) for out in outs] == [5] * 6  # the scripted worker streams one chunk per token asked
-            assert all(out[-1].finish_reason for out in outs)
+            # the scripted worker streams " token" once per token asked, all at once: chunks that were ready
+            # together may arrive as one response, nothing lost or reordered
+            one = tok.encode(" token")
+            assert [_tokens(out) for out in outs] == [one * 5] * 6
+            assert ["".join(r.text for r in out) for out in outs] == [" token" * 5] * 6
+            assert all(out[-1].finish_reason and out[-1].usage.completion_tokens == 5 * len(one) for out in outs)
+            assert not any(r.finish_reason for out in outs for r in out[:-1])
             assert ws.multiplexed and ws._call is not None, "one stream stays open for the next requests"
             # a failure is the request's own: the stream and the others go on
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await _collect(ws.generate(_request(tok, "FAIL_AFTER please", 6)))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "mid-stream" in (err.value.details() or "")
-            assert len(await _collect(ws.generate(_request(tok, "again", 3)))) == 3
+            assert _tokens(await _collect(ws.generate(_request(tok, "again", 3)))) == tok.encode(" token") * 3
         await server.stop(0)
 
     asyncio.run(go())
@@ -115,7 +124,7 @@ def test_a_broken_stream_fails_every_open_request_and_the_next_one_reconnects(to
                     break
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.1)
-            assert len(out) == 2 and out[-1].finish_reason
+            assert _tokens(out) == tok.encode(" token") * 2 and out[-1].finish_reason
             await server2.stop(0)
 
     asyncio.run(go())

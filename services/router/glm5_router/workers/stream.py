@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
+from glm5.serving import merge_response
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,10 @@ class WorkerStream:
         self._call: Any = None  # grpc.aio.StreamStreamCall of the open stream
         self._open: dict[int, tuple[Any, asyncio.Queue[Item]]] = {}
         self._ids = itertools.count(1)
-        self._write = asyncio.Lock()  # one write at a time on a gRPC stream
+        self._opening = asyncio.Lock()
+        # what to write: (stream, message), None meaning done_writing; one writer task drains it, a batch per write
+        self._outbox: list[tuple[Any, worker_pb2.GenerateStreamRequest | None]] = []
+        self._writer: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._draining = False
 
@@ -52,20 +56,29 @@ class WorkerStream:
         call: Any = None
         ended = False
         try:
-            async with self._write:
-                call = await self._stream() if self.multiplexed else None
-                if call is not None:
-                    self._open[rid] = (call, queue)
-                    # if the stream ended, its reader fails every request open on it with the stream's status
-                    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                        await call.write(worker_pb2.GenerateStreamRequest(id=rid, start=request))
+            if self.multiplexed:
+                call = self._call if self._call is not None else await self._stream()
+            if call is not None:
+                self._open[rid] = (call, queue)
+                self._post(call, worker_pb2.GenerateStreamRequest(id=rid, start=request))
             if call is None:
                 ended = True
                 async for resp in self._single(request):
                     yield resp
                 return
+            held: Item | None = None  # taken off the queue while merging, not yet handled
             while True:
-                item = await queue.get()
+                item, held = (held if held is not None else await queue.get()), None
+                # responses that queued while the client was slower than the worker go out as one message, as
+                # Worker.Generate does for its caller: no token waits for it, and a message costs the same
+                # CPU whatever it carries
+                while not isinstance(item, grpc.aio.AioRpcError) and not item.error_code and not queue.empty():
+                    held = queue.get_nowait()
+                    if isinstance(held, grpc.aio.AioRpcError) or held.error_code:
+                        break
+                    if not merge_response(item.response, held.response):
+                        break
+                    held = None
                 if isinstance(item, grpc.aio.AioRpcError):
                     ended = True
                     if item.code() == grpc.StatusCode.UNIMPLEMENTED:  # the request never ran: send it on its own
@@ -84,21 +97,25 @@ class WorkerStream:
         finally:
             self._open.pop(rid, None)
             if call is not None and not ended and self._call is call:
-                self._spawn(self._send(call, worker_pb2.GenerateStreamRequest(id=rid, cancel=True)))
+                self._post(call, worker_pb2.GenerateStreamRequest(id=rid, cancel=True))
             if call is not None and self._draining and not self._open:
-                self._spawn(self._finish(call))
+                self._post(call, None)
 
     def drain(self) -> None:
         """No new requests will come (the worker left the pool): end the stream once the open ones finish."""
         self._draining = True
         if not self._open and self._call is not None:
-            self._spawn(self._finish(self._call))
+            self._post(self._call, None)
 
     async def _stream(self) -> Any:
-        """The open stream, opened if needed (under the write lock); None when the worker has no GenerateStream.
-        Opening waits for the worker's initial metadata: an old worker answers UNIMPLEMENTED there, before any
-        request is written (a write racing that answer would turn the status into a local INTERNAL)."""
-        if self._call is None:
+        async with self._opening:  # requests that come while the stream opens wait for that one
+            return await self._open_stream()
+
+    async def _open_stream(self) -> Any:
+        """The open stream, opened if needed; None when the worker has no GenerateStream. Opening waits for the
+        worker's initial metadata: an old worker answers UNIMPLEMENTED there, before any request is written (a
+        write racing that answer would turn the status into a local INTERNAL)."""
+        if self._call is None and self.multiplexed:
             call = self.stub.GenerateStream()
             try:
                 try:  # the worker sends it at once; an old worker ends the call instead
@@ -123,10 +140,11 @@ class WorkerStream:
     async def _read(self, call: Any) -> None:
         error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"worker {self.address} ended the request stream")
         try:
-            async for msg in call:
-                entry = self._open.get(msg.id)
-                if entry is not None:
-                    entry[1].put_nowait(msg)
+            async for batch in call:
+                for msg in batch.responses:
+                    entry = self._open.get(msg.id)
+                    if entry is not None:
+                        entry[1].put_nowait(msg)
             code = await call.code()  # a stream can end without the iteration raising its status
             if code != grpc.StatusCode.OK:
                 error = rpc_error(code, await call.details())
@@ -142,15 +160,30 @@ class WorkerStream:
                 if stream_call is call:
                     queue.put_nowait(error)
 
-    async def _send(self, call: Any, msg: worker_pb2.GenerateStreamRequest) -> None:
-        with contextlib.suppress(Exception):  # a stream that already ended has nothing left to cancel
-            async with self._write:
-                await call.write(msg)
+    def _post(self, call: Any, msg: worker_pb2.GenerateStreamRequest | None) -> None:
+        """Queues `msg` for `call` (None: half-close it). The writer task sends everything queued meanwhile in one
+        message: a request's start never waits for another's write, and cancelling the request that queued a
+        message cannot lose it."""
+        self._outbox.append((call, msg))
+        if self._writer is None:
+            self._writer = asyncio.get_running_loop().create_task(self._write())
 
-    async def _finish(self, call: Any) -> None:
-        with contextlib.suppress(Exception):
-            async with self._write:
-                await call.done_writing()
+    async def _write(self) -> None:
+        try:
+            while self._outbox:
+                pending, self._outbox = self._outbox, []
+                for call, group in itertools.groupby(pending, key=lambda entry: entry[0]):
+                    msgs = [m for _, m in group]
+                    requests = [m for m in msgs if m is not None]
+                    # a write fails only on a stream that ended, and its reader fails what was open on it with
+                    # the stream's status
+                    with contextlib.suppress(Exception):
+                        if requests:
+                            await call.write(worker_pb2.GenerateStreamRequests(requests=requests))
+                        if len(requests) < len(msgs):
+                            await call.done_writing()
+        finally:
+            self._writer = None
 
     async def _single(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
         call = self.stub.Generate(request)

@@ -87,8 +87,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await context.abort(exc.code, exc.message)
 
     async def GenerateStream(
-        self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequests], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateStreamResponses]:
         await context.send_initial_metadata(())  # the caller waits for it before writing (router: WorkerStream)
         async for resp in serve_multiplexed(self._generate, request_iterator):
             yield resp

@@ -1,0 +1,73 @@
+"""GenerateStream's batching (glm5.serving.serve_multiplexed) and the merge of a request's responses."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from glm5.serving import RequestFailed, merge_response, serve_multiplexed
+from glm5.v1 import common_pb2, worker_pb2
+
+
+def _resp(ids: list[int], text: str, version: int = 0, **kw: object) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        token_ids=ids, text=text, weight_version=version,
+        logprobs=[common_pb2.TokenLogprob(token_id=i, logprob=-0.5) for i in ids], **kw,
+    )  # fmt: skip
+
+
+def test_merge_appends_the_next_response() -> None:
+    a = _resp([1, 2], "ab", 3, usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=2))
+    b = _resp([3], "c", 3, finish_reason=common_pb2.FINISH_REASON_STOP, stop_reason="c",
+              usage=common_pb2.Usage(prompt_tokens=7, completion_tokens=3))  # fmt: skip
+    assert merge_response(a, b)
+    assert list(a.token_ids) == [1, 2, 3] and a.text == "abc" and [x.token_id for x in a.logprobs] == [1, 2, 3]
+    assert a.finish_reason == common_pb2.FINISH_REASON_STOP and a.stop_reason == "c"
+    assert (a.usage.prompt_tokens, a.usage.completion_tokens) == (7, 3) and a.weight_version == 3
+
+
+def test_merge_refuses_across_weight_versions_and_after_the_end() -> None:
+    a, b = _resp([1], "a", 1), _resp([2], "b", 2)
+    assert not merge_response(a, b)
+    assert list(a.token_ids) == [1] and a.text == "a", "left alone"
+    done = _resp([1], "a", finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    assert not merge_response(done, _resp([2], "b"))
+    assert list(done.token_ids) == [1]
+
+
+def test_a_batch_carries_what_was_ready_together() -> None:
+    """Responses ready at once go out in one batch, each request's merged in order; an error or a new weight
+    version is never merged into what came before it."""
+
+    async def one(request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        kind = request.prompt
+        for i in range(4):
+            yield _resp([i], str(i), version=1 if kind == "swap" and i >= 2 else 0)
+        if kind == "fail":
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "gone")
+        yield _resp([], "", finish_reason=common_pb2.FINISH_REASON_STOP)
+
+    async def requests() -> AsyncIterator[worker_pb2.GenerateStreamRequests]:
+        start = worker_pb2.GenerateStreamRequest
+        yield worker_pb2.GenerateStreamRequests(requests=[
+            start(id=rid, start=worker_pb2.GenerateRequest(prompt=prompt))
+            for rid, prompt in ((1, "plain"), (2, "swap"), (3, "fail"))])  # fmt: skip
+        await asyncio.sleep(0.05)  # let them all finish before half-closing
+
+    async def go() -> list[worker_pb2.GenerateStreamResponses]:
+        return [b async for b in serve_multiplexed(one, requests())]
+
+    batches = asyncio.run(go())
+    entries = [e for b in batches for e in b.responses]
+    by_id: dict[int, list[worker_pb2.GenerateStreamResponse]] = {}
+    for e in entries:
+        by_id.setdefault(e.id, []).append(e)
+    for rid in (1, 2, 3):
+        assert [t for e in by_id[rid] for t in e.response.token_ids] == [0, 1, 2, 3]
+        assert "".join(e.response.text for e in by_id[rid]) == "0123"
+    assert len(batches) < len(entries) < 3 * 5, "one message carried several responses, merged per request"
+    assert len(by_id[1]) == 1 and by_id[1][0].response.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert [e.response.weight_version for e in by_id[2]][:2] == [0, 1], "versions kept apart"
+    assert by_id[3][-1].error_code == grpc.StatusCode.UNAVAILABLE.value[0] and not by_id[3][-1].HasField("response")
+    assert len(by_id[3]) == 2
