@@ -64,7 +64,9 @@ class RequestFailed(Exception):
 
 
 OneRequest = Callable[[worker_pb2.GenerateRequest], AsyncIterator[worker_pb2.GenerateResponse]]
-BATCH_LIMIT = 256  # responses per GenerateStreamResponses: bounds a message's size, not how much is sent at once
+# A batch closes at either bound (a message must stay far below MESSAGE_LIMIT: prompt logprobs can be large).
+BATCH_LIMIT = 256  # responses per GenerateStreamResponses
+BATCH_BYTES = 4 << 20
 
 
 def merge_response(into: worker_pb2.GenerateResponse, more: worker_pb2.GenerateResponse) -> bool:
@@ -133,13 +135,15 @@ async def serve_multiplexed(
             item = await out.get()
             batch = worker_pb2.GenerateStreamResponses()
             last: dict[int, worker_pb2.GenerateStreamResponse] = {}  # each id's last entry in this batch
+            size = 0
             while item is not None:
+                size += item.ByteSize()
                 prev = last.get(item.id)
                 if not (prev is not None and not prev.error_code and not item.error_code
                         and merge_response(prev.response, item.response)):  # fmt: skip
                     batch.responses.append(item)
                     last[item.id] = batch.responses[-1]
-                if len(batch.responses) >= BATCH_LIMIT or out.empty():
+                if len(batch.responses) >= BATCH_LIMIT or size >= BATCH_BYTES or out.empty():
                     break
                 item = out.get_nowait()
             ended = item is None

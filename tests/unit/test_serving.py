@@ -71,3 +71,27 @@ def test_a_batch_carries_what_was_ready_together() -> None:
     assert [e.response.weight_version for e in by_id[2]][:2] == [0, 1], "versions kept apart"
     assert by_id[3][-1].error_code == grpc.StatusCode.UNAVAILABLE.value[0] and not by_id[3][-1].HasField("response")
     assert len(by_id[3]) == 2
+
+
+def test_a_batch_stays_far_below_the_message_limit() -> None:
+    """Large responses (prompt logprobs of a long prompt, say) are spread over several messages."""
+    from glm5.serving import BATCH_BYTES, MESSAGE_LIMIT
+
+    chunk = "x" * (1 << 20)
+
+    async def one(request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        for i in range(10):
+            yield _resp([i], chunk, finish_reason=common_pb2.FINISH_REASON_STOP if i == 9 else 0)
+
+    async def requests() -> AsyncIterator[worker_pb2.GenerateStreamRequests]:
+        start = worker_pb2.GenerateStreamRequest(id=1, start=worker_pb2.GenerateRequest(prompt="big"))
+        yield worker_pb2.GenerateStreamRequests(requests=[start])
+        await asyncio.sleep(0.05)
+
+    async def go() -> list[worker_pb2.GenerateStreamResponses]:
+        return [b async for b in serve_multiplexed(one, requests())]
+
+    batches = asyncio.run(go())
+    assert len(batches) >= 3
+    assert max(b.ByteSize() for b in batches) <= BATCH_BYTES + len(chunk) + 1024 < MESSAGE_LIMIT
+    assert "".join(e.response.text for b in batches for e in b.responses) == chunk * 10

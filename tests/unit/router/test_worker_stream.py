@@ -11,7 +11,7 @@ import pytest
 from glm5.client import sampling
 from glm5.model.presets import default_model_path
 from glm5.tokenizer.tokenizer import Tokenizer
-from glm5.v1 import worker_pb2, worker_pb2_grpc
+from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from glm5_router.workers.stream import WorkerStream
 
 from tests.helpers.scripted_worker import ScriptedWorker
@@ -159,6 +159,43 @@ def test_drain_ends_the_stream_after_the_open_requests(tok: Tokenizer) -> None:
                     break
                 await asyncio.sleep(0.02)
             assert call.done() and ws._call is None
+        await server.stop(0)
+
+    asyncio.run(go())
+
+
+class _OneMessagePerToken(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
+    """Sends every token in its own message (no batching at the worker); the weights change after token 3."""
+
+    async def GenerateStream(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.send_initial_metadata(())
+        batch = await request_iterator.__anext__()
+        (start,) = batch.requests
+        for i in range(1, 7):
+            resp = worker_pb2.GenerateResponse(token_ids=[i], text=str(i), weight_version=0 if i <= 3 else 1)
+            if i == 6:
+                resp.finish_reason = common_pb2.FINISH_REASON_STOP
+            yield worker_pb2.GenerateStreamResponses(
+                responses=[worker_pb2.GenerateStreamResponse(id=start.id, response=resp)]
+            )
+        await asyncio.sleep(1)  # keep the stream open: the router holds it for the next requests
+
+
+def test_responses_that_queued_behind_a_slow_client_go_out_merged(tok: Tokenizer) -> None:
+    async def go() -> None:
+        server, target = await _serve(_OneMessagePerToken())
+        async with grpc.aio.insecure_channel(target) as channel:
+            ws = WorkerStream(worker_pb2_grpc.WorkerStub(channel), target)  # type: ignore[no-untyped-call]
+            stream = ws.generate(_request(tok, "x", 6))
+            out = [await stream.__anext__()]
+            await asyncio.sleep(0.3)  # a slow client: the rest arrives meanwhile
+            out += [r async for r in stream]
+            assert [t for r in out for t in r.token_ids] == [1, 2, 3, 4, 5, 6]
+            assert "".join(r.text for r in out) == "123456"
+            assert len(out) <= 3, "what queued went out together, one message per weight version"
+            for r in out:  # never a message mixing weight versions
+                assert all((t <= 3) == (r.weight_version == 0) for t in r.token_ids)
+            assert out[-1].finish_reason == common_pb2.FINISH_REASON_STOP
         await server.stop(0)
 
     asyncio.run(go())
