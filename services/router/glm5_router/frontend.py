@@ -308,8 +308,10 @@ class Frontend:
         spent, generated, cut = 0, [], False
         async with contextlib.aclosing(self.submit(job)) as stream:
             async for merged in stream:
-                # tokens that arrived together are counted one by one, so the cut lands at the budget
-                for resp in per_token(self.tokenizer, merged):
+                # tokens that arrived together are counted one by one where the cut may land inside them
+                over = spent + len(merged.token_ids) > budget
+                split = over and (parser.in_reasoning or THINK_OPEN in merged.text)
+                for resp in per_token(self.tokenizer, merged) if split else [merged]:
                     if parser.in_reasoning:
                         spent += len(resp.token_ids)
                     generated += resp.token_ids
