@@ -214,8 +214,10 @@ async def test_rank_table_flow_in_ring_order(cluster: Cluster) -> None:
         await cluster.create(_pod(i, labels))
     await cluster.patch("Pod", "npu-worker-0", {"metadata": {"annotations": {ANNOTATION: _annotation(0, 4)}}})
     await eventually(lambda: tables()["replica-0.json"]["status"] == "completed", what="replica 0 completed")
-    rank = await eventually(lambda: cluster.condition("GLM5Deployment", "npu", "RankTableReady"))
-    assert rank["status"] == "False" and "[1]" in rank["message"]  # replica 1 has not reported yet
+    # the table and the CR's condition are separate writes: wait for the condition to catch up with the table
+    rank = await eventually(lambda: (c := cluster.condition("GLM5Deployment", "npu", "RankTableReady"))
+                            and "[1]" in c["message"] and c, what="RankTableReady naming replica 1 only")  # fmt: skip
+    assert rank["status"] == "False"  # replica 1 has not reported yet
     table = tables()["replica-0.json"]
     (server,) = table["server_list"]
     assert server["container_ip"] == "10.0.0.10" and server["server_id"] == "192.168.1.0"
