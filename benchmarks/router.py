@@ -1,7 +1,7 @@
 """Router benchmarks (results in docs/benchmarks.md):
 
     python -m benchmarks.router latency   [--requests 400]     added latency, router vs the worker directly
-    python -m benchmarks.router throughput [--seconds 10] [--step-ms 0]   streamed requests/s (16 tokens each)
+    python -m benchmarks.router throughput [--seconds 10] [--step-ms 0] [--stream-interval 0]   streamed requests/s
     python -m benchmarks.router sm4        [--mib 64]          SM4-GCM envelope path vs the raw cipher
     python -m benchmarks.router batching   [--requests 400]    token-budget batching vs a fixed 100 ms window
 
@@ -57,7 +57,7 @@ Call = Callable[[int], Awaitable[tuple[int, float]]]
 MESSAGES: dict[str, int] = {}  # streamed messages received per path: a hop may merge chunks that were ready together
 
 
-def _caller(target: str, kind: str) -> tuple[grpc.aio.Channel, Call]:
+def _caller(target: str, kind: str, stream_interval: int = 0) -> tuple[grpc.aio.Channel, Call]:
     """A channel and a one-request call against the worker ("direct") or a Router service; a call returns the
     number of tokens streamed and when the first arrived."""
     ch = grpc.aio.insecure_channel(target)
@@ -76,12 +76,14 @@ def _caller(target: str, kind: str) -> tuple[grpc.aio.Channel, Call]:
         return n, first
 
     async def direct(i: int) -> tuple[int, float]:
-        req = worker_pb2.GenerateRequest(prompt_token_ids=ids, sampling=sampling(max_new_tokens=TOKENS))
+        req = worker_pb2.GenerateRequest(prompt_token_ids=ids, sampling=sampling(max_new_tokens=TOKENS),
+                                         stream_interval=stream_interval)  # fmt: skip
         return await count(wstub.Generate(req))
 
     async def routed(i: int) -> tuple[int, float]:
         req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(
-            prompt_token_ids=ids, sampling=sampling(max_new_tokens=TOKENS)))  # fmt: skip
+            prompt_token_ids=ids, sampling=sampling(max_new_tokens=TOKENS),
+            stream_interval=stream_interval))  # fmt: skip
         return await count(rstub.Generate(req))
 
     return ch, direct if kind == "direct" else routed
@@ -167,7 +169,7 @@ def latency(requests: int, repeats: int) -> None:
     with_stack(go)
 
 
-def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float) -> None:
+def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float, stream_interval: int) -> None:
     async def run(kind: str, call: Call, pids: list[int]) -> tuple[float, list[float], float]:
         """requests/s, CPU milliseconds per request of each pid, messages per request at the client."""
         done = 0
@@ -187,7 +189,7 @@ def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float) ->
         return rate, cpu, (MESSAGES[kind] - m0) / max(done, 1)
 
     async def go(stack: Stack) -> None:
-        calls = {kind: _caller(target, kind) for kind, target in stack.targets.items()}
+        calls = {kind: _caller(target, kind, stream_interval) for kind, target in stack.targets.items()}
         got: dict[str, list[tuple[float, list[float], float]]] = {k: [] for k in calls}
         for _ in range(rounds):  # alternating, so machine noise hits every path alike
             for kind, (_, call) in calls.items():
@@ -313,6 +315,7 @@ if __name__ == "__main__":
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--step-ms", type=float, default=0.0, help="the worker's step clock (0: all tokens at once)")
+    p.add_argument("--stream-interval", type=int, default=0, help="tokens per message the requests ask for")
     p = sub.add_parser("sm4")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--chunk-kib", type=int, default=16)
@@ -323,7 +326,7 @@ if __name__ == "__main__":
     if a.what == "latency":
         latency(a.requests, a.repeats)
     elif a.what == "throughput":
-        throughput(a.seconds, a.concurrency, a.rounds, a.step_ms)
+        throughput(a.seconds, a.concurrency, a.rounds, a.step_ms, a.stream_interval)
     elif a.what == "sm4":
         sm4(a.mib, a.chunk_kib)
     else:

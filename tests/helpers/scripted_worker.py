@@ -8,6 +8,7 @@ tokenizer, so token ids and the tokenizer fingerprint are genuine. The prompt pi
 - contains TOOL   -> a get_weather tool call (BADTOOL: a call to an unknown tool)
 - contains FAIL_BEFORE -> UNAVAILABLE before any token;  FAIL_AFTER -> two chunks, then UNAVAILABLE
 - contains SLOW   -> 50 ms between chunks
+(`stream_interval` is honoured: chunks are held back until that many tokens are ready, the last one carries the rest)
 - otherwise       -> `max_new_tokens` chunks of " token" (one token each)
 
 With --step-ms S the chunks follow an engine's clock instead of coming all at once: every S milliseconds each
@@ -32,7 +33,7 @@ from typing import Any
 
 import grpc
 from glm5.model.presets import default_model_path
-from glm5.serving import RequestFailed, serve_multiplexed
+from glm5.serving import RequestFailed, merge_response, serve_multiplexed
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -99,6 +100,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
                 script = ["The answer ", "is 5."]  # a continuation after forced </think>: answer only
             delay = 0.05 if "SLOW" in prompt else 0.0
             total = 0
+            held: worker_pb2.GenerateResponse | None = None  # stream_interval: tokens held back so far
             for i, text in enumerate(script):
                 if self.step_s:
                     await self._next_step()
@@ -107,11 +109,19 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
                 ids = self.tok.encode(text)
                 total += len(ids)
                 last = i == len(script) - 1
-                yield worker_pb2.GenerateResponse(
+                resp = worker_pb2.GenerateResponse(
                     request_id=request.request_id, token_ids=ids, text=text,
                     finish_reason=common_pb2.FINISH_REASON_STOP if last else common_pb2.FINISH_REASON_UNSPECIFIED,
                     usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=total),
                 )  # fmt: skip
+                if held is not None:
+                    merge_response(held, resp)
+                    resp = held
+                if len(resp.token_ids) < request.stream_interval and not last:
+                    held = resp
+                else:
+                    held = None
+                    yield resp
                 if delay:
                     await asyncio.sleep(delay)
         finally:

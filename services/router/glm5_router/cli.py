@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
     p.add_argument("--light-thinking-budget", type=int, default=d.light_thinking_budget,
                    help="reasoning tokens before light thinking is made to answer")  # fmt: skip
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="tokens per streamed message for requests without their own (0: every step)")  # fmt: skip
     p.add_argument("--shutdown-grace", type=float, default=10.0)
 
 
@@ -73,6 +75,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         retry_backoff_ms=a.retry_backoff_ms, stats_interval_s=a.stats_interval,
         discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,
         thinking_policy=a.thinking_policy, light_thinking_budget=a.light_thinking_budget,
+        stream_interval=a.stream_interval,
     )  # fmt: skip
 
 

@@ -66,6 +66,9 @@ class RouterConfig:
     thinking_policy: ThinkingPolicy = "auto"
     light_thinking_budget: int = 256
     reasoning_cache_entries: int = 500  # per session; the oldest 20% go when full
+    # tokens per streamed message for requests that do not set stream_interval (0: a message per engine step);
+    # every message costs the router CPU whatever it carries, so this trades granularity for requests/s
+    stream_interval: int = 0
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -88,3 +91,5 @@ class RouterConfig:
             raise ConfigError(f"--thinking-policy must be off, light, deep or auto, not {self.thinking_policy!r}")
         if self.reasoning_cache_entries < 1 or self.light_thinking_budget < 1:
             raise ConfigError("--reasoning-cache-entries and --light-thinking-budget must be >= 1")
+        if self.stream_interval < 0:
+            raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval}")

@@ -178,6 +178,8 @@ class Frontend:
         request.prompt_token_ids[:] = ids
         request.sampling.max_new_tokens = max_new
         request.skip_special_tokens = False  # the router needs <think> / <tool_call> to split the output
+        if not request.stream_interval:
+            request.stream_interval = self.config.stream_interval
         request.request_id = inp.request_id or request.request_id or f"req-{uuid.uuid4().hex}"
         lane = inp.lane or self._lane(len(ids))
         affinity = inp.session_id or (

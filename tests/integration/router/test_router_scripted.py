@@ -257,3 +257,27 @@ def test_unhealthy_worker_leaves_rotation_full_queue_429_deadline_408_and_it_com
     finally:
         stop(router)
         stop(proc)
+
+
+def test_stream_interval_default_trades_messages_for_throughput(tmp_path: Path) -> None:
+    """--stream-interval N: a request that does not set its own gets N tokens per message; one that does keeps
+    its own. The chunks come 50 ms apart (SLOW), so only the interval can put several in one message."""
+    import grpc
+    from glm5.client import sampling
+    from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2
+
+    worker, target = start_scripted_worker()
+    router, grpc_target, _ = start_router([target], "--stream-interval", "4", log=tmp_path / "router.log")
+    try:
+        with grpc.insecure_channel(grpc_target) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+
+            def sizes(**kw: Any) -> list[int]:
+                req = worker_pb2.GenerateRequest(prompt="SLOW", sampling=sampling(max_new_tokens=10), **kw)
+                return [len(r.response.token_ids) for r in stub.Generate(router_pb2.RouterGenerateRequest(request=req))]
+
+            assert sizes() == [4, 4, 2]
+            assert sizes(stream_interval=1) == [1] * 10
+    finally:
+        stop(router)
+        stop(worker)

@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any, cast
 
 import pytest
-from glm5.errors import CapacityError
+from glm5.errors import CapacityError, ConfigError
 from glm5.v1 import worker_pb2
 from glm5_router.config import BreakerConfig, RouterConfig
 from glm5_router.scheduling.dispatcher import Batch, Dispatcher
@@ -190,3 +190,9 @@ def test_batches_flush_at_the_token_budget_after_the_wait_or_when_idle() -> None
         return d.sent
 
     assert asyncio.run(go()) == [["j1"], ["j2", "j3"], ["j4"]]
+
+
+def test_router_config_names_the_bad_flag() -> None:
+    with pytest.raises(ConfigError, match="--stream-interval"):
+        RouterConfig(workers=("w:1",), stream_interval=-1)
+    assert RouterConfig(workers=("w:1",), stream_interval=8).stream_interval == 8
