@@ -14,10 +14,13 @@ projections cost the same for both and are left out) and read the same paged lat
 `--index-dtype bfloat16` keeps the indexer keys in bfloat16 whatever `--dtype` is (the worker's
 `--kv-index-dtype`); the latent cache and both attention paths keep `--dtype`. `--device cuda --kernels triton`
 runs the sparse paths on the fused Triton kernels (the worker's `--kernels`); dense stays the portable one.
+`--allocator retain` (the default, as in the worker: glm5.allocator) keeps freed host memory in the process;
+`system` is glibc's default, under which each step faults its large buffers in again (the dense side most).
 
 Usage: python benchmarks/decode_attention.py [--dtype bfloat16] [--index-dtype bfloat16]
                                              [--contexts 4096,16384,65536,131072]
                                              [--device cpu|cuda] [--kernels auto|portable|triton]
+                                             [--allocator retain|system]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from glm5.allocator import retain_freed_memory
 from glm5.kernels import PortableKernels, kernels_for
 from glm5.kvcache.storage import KVLayout, PagedKVStorage
 from glm5.model.attention import DSAControls, MLAttention, _Selector
@@ -134,15 +138,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--kernels", default="portable", choices=["auto", "portable", "triton"])
+    ap.add_argument(
+        "--allocator",
+        default="retain",
+        choices=["retain", "system"],
+        help="retain: keep freed host memory in the process, as the worker does (glm5.allocator)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.allocator == "retain":
+        retain_freed_memory()
     dtype = getattr(torch, a.dtype)
     index_dtype = getattr(torch, a.index_dtype) if a.index_dtype else dtype
     b, bi = dtype.itemsize, index_dtype.itemsize
     print(
         f"decode attention, GLM-5 sizes, {a.dtype} (indexer keys {index_dtype}), {a.device}, {a.kernels} kernels, "
         f"{a.threads} threads; medians of "
-        f"{a.repeats} interleaved rounds (ms); ratios are medians of per-round ratios"
+        f"{a.repeats} interleaved rounds (ms), {a.allocator} allocator; ratios are medians of per-round ratios"
     )
     print(
         f"{'context':>8} {'dense':>8} {'gather':>8} {'sparse':>8} {'shared':>8} {'dense/gather':>13} "

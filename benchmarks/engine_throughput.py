@@ -5,6 +5,7 @@ wall time of the whole batch (prefill included). Our engine runs with its defaul
 (off here so outputs can be compared token for token; a second row shows the tier on).
 
 Usage: python benchmarks/engine_throughput.py [--batches 1,8,32] [--prompt-len 1024] [--new 128]
+                                              [--allocator retain|system]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from glm5.allocator import retain_freed_memory
 from glm5.model.presets import init_model
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
@@ -76,12 +78,20 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", help="checkpoint (default: a fresh tiny preset, seed 0)")
+    ap.add_argument(
+        "--allocator",
+        default="retain",
+        choices=["retain", "system"],
+        help="retain: keep freed host memory in the process, as the worker does (glm5.allocator)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.allocator == "retain":
+        retain_freed_memory()
     model = Path(a.model) if a.model else init_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
     print(
         f"engine vs transformers generate: tiny preset, prompts {a.prompt_len} tokens, {a.new} new, greedy, "
-        f"float32, {a.threads} threads"
+        f"float32, {a.threads} threads, {a.allocator} allocator"
     )
     print(
         f"{'batch':>5} {'transformers tok/s':>19} {'ours tok/s':>11} {'speed-up':>9} {'same tokens':>12} "

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from glm5.allocator import retain_freed_memory
 from glm5.kernels import KERNEL_CHOICES
 
 from glm5_worker.config import EngineConfig, parse_bytes
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain running requests")
+    p.add_argument("--no-retain-host-memory", action="store_true",
+                   help="let glibc give freed host memory back to the kernel (its default; each step then faults "
+                   "its pages in again)")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -83,4 +87,6 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 def run(a: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not a.no_retain_host_memory:
+        retain_freed_memory()  # before the model loads, so every later allocation follows it
     asyncio.run(serve_until_signal(config_from_args(a), a.host, a.port, a.shutdown_grace))
