@@ -7,6 +7,7 @@ Shapes: n queries, H attention heads, C = kv_lora_rank, R = rope dim, Hi/Di inde
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from glm5.kernels.base import AttentionOutput
 
@@ -118,6 +119,13 @@ class PortableKernels:
     ) -> AttentionOutput:
         """All queries over one shared context: kv (T, C + R), valid (n, T) (causal mask) -> (n, H, C)."""
         n, h, c = q_lat.shape
+        if not want_entropy and _fused_dense(q_lat, kv):
+            # the latent is both key and value (its first C columns): one fused masked-softmax pass, no
+            # (n, H, T) score matrix in memory
+            q = torch.cat([q_lat, q_rope], dim=-1).transpose(0, 1).unsqueeze(0)  # (1, H, n, C + R)
+            k = kv.expand(1, h, *kv.shape)
+            out = F.scaled_dot_product_attention(q, k, k, attn_mask=valid[None, None], scale=scale)
+            return AttentionOutput(out[0, :, :, :c].transpose(0, 1), None)
         q = (torch.cat([q_lat, q_rope], dim=-1) * scale).reshape(n * h, -1)
         scores = (q @ kv.T).view(n, h, -1)  # (n, H, T)
         if not bool(valid.all()):
@@ -128,6 +136,17 @@ class PortableKernels:
 
 
 _SCORE_CHUNK = 16384
+# Fused dense attention (PyTorch's CPU flash kernel) pays off when the (n, H, T) score matrix costs more memory
+# traffic than its products cost arithmetic: several queries over a narrow latent (2-2.5x at C + R = 80 with 64+
+# queries); at GLM-5's 576 it is no faster, and for a single query it rereads the context once per head.
+_FUSED_MIN_QUERIES = 16
+_FUSED_MAX_DIM = 128
+
+
+def _fused_dense(q_lat: torch.Tensor, kv: torch.Tensor) -> bool:
+    return kv.device.type == "cpu" and q_lat.shape[0] >= _FUSED_MIN_QUERIES and kv.shape[-1] <= _FUSED_MAX_DIM
+
+
 _LOOP_BMM_MAX = 64
 
 

@@ -59,3 +59,31 @@ def test_runs_split_at_gaps_and_at_the_tier_boundary() -> None:
     keys, scale = st.index_run(0, 5, 8)
     assert keys.dtype == torch.int8 and keys.shape == (8, 8) and scale is not None
     assert keys.data_ptr() == st.q_index[0, 4:].data_ptr()  # a view, not a copy
+
+
+def _dense_reference(
+    q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Masked softmax attention in float64, the latent as key (with the rope key) and as value."""
+    c = q_lat.shape[-1]
+    q = torch.cat([q_lat, q_rope], -1).double() * scale
+    scores = torch.einsum("nhd,td->nht", q, kv.double()).masked_fill(~valid[:, None], float("-inf"))
+    return torch.einsum("nht,tc->nhc", scores.softmax(-1), kv[:, :c].double())
+
+
+def test_dense_attention_matches_the_reference_on_both_paths() -> None:
+    g = torch.Generator().manual_seed(0)
+    k = PortableKernels()
+    for n, width in ((40, 64 + 16), (40, 256 + 32), (3, 64 + 16)):  # fused (many queries, narrow), unfused x2
+        t, h, c = 200, 4, width - 16 if width < 128 else width - 32
+        q_lat, q_rope = torch.randn(n, h, c, generator=g), torch.randn(n, h, width - c, generator=g)
+        kv = torch.randn(t, width, generator=g)
+        qpos = torch.arange(t - n, t)
+        valid = (torch.arange(t)[None] <= qpos[:, None]) & (torch.rand(n, t, generator=g) < 0.4)
+        valid[torch.arange(n), qpos] = True
+        ref = _dense_reference(q_lat, q_rope, kv, valid, 0.1)
+        for want_entropy in (False, True):
+            got = k.dense_mla(q_lat, q_rope, kv, valid, 0.1, want_entropy)
+            assert got.out.shape == (n, h, c)
+            assert torch.allclose(got.out.double(), ref, atol=1e-5), (n, width, want_entropy)
+            assert (got.entropy is not None) == want_entropy
