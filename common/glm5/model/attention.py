@@ -25,6 +25,9 @@ from glm5.model.rope import apply_interleaved
 # memory on long prefills, it keeps temporaries (<= 8 MiB in float32) below glibc's mmap threshold: larger
 # ones are mapped fresh and page-faulted on every call, which made such steps several times slower.
 SCRATCH_ELEMENTS = 1 << 21
+# Queries per dense-attention call in a prefill chunk: smaller tiles leave out more of the causally masked
+# context (a 1024-token chunk in tiles of 128 computes ~56% of its full score matrix).
+SHARED_TILE_ROWS = 128
 
 
 @dataclass(slots=True)
@@ -179,10 +182,13 @@ class MLAttention(nn.Module):
         if pick.shared:
             kv = cache.gather_kv(self.layer_idx, pick.slots, q_lat.dtype)  # (T, C + R)
             n, t = pick.valid.shape
-            tile = max(1, SCRATCH_ELEMENTS // (self.num_heads * t))
+            tile = max(1, min(SHARED_TILE_ROWS, SCRATCH_ELEMENTS // (self.num_heads * t)))
             for s in range(0, n, tile):
                 e = min(n, s + tile)
-                res = kernels.dense_mla(q_lat[s:e], q_rope[s:e], kv, pick.valid[s:e], self.scale, want)
+                valid = pick.valid[s:e]
+                # causal: the context past the tile's last visible token is masked for every row; leave it out
+                cut = int(valid.any(0).nonzero()[-1]) + 1
+                res = kernels.dense_mla(q_lat[s:e], q_rope[s:e], kv[:cut], valid[:, :cut], self.scale, want)
                 out[row0 + s : row0 + e] = res.out
                 if res.entropy is not None:
                     entropies.append(res.entropy)
@@ -295,9 +301,15 @@ class _Selector:
         tile = max(1, SCRATCH_ELEMENTS // (heads * t))
         width = min(self.warmup, t)
         in_warmup = qpos < self.warmup
+        kk = min(t, max(self.topk, width))  # what _top picks per row
         picks_idx, picks_valid = [], []
         for s in range(0, n, tile):
             e = min(n, s + tile)
+            if t - n + e - 1 < self.topk:
+                # no row of this tile sees more than top-k tokens: each picks all it sees, nothing to score
+                picks_idx.append(torch.arange(kk, device=slots.device).expand(e - s, kk))
+                picks_valid.append(causal[s:e, :kk])
+                continue
             rows = slice(chunk.start + s, chunk.start + e)
             scores = self._scores(iq[None, rows], iw[None, rows], keys[None])[0]  # (t, T)
             scores = scores.masked_fill(~causal[s:e], float("-inf"))
