@@ -187,7 +187,8 @@ class MLAttention(nn.Module):
                 e = min(n, s + tile)
                 valid = pick.valid[s:e]
                 # causal: the context past the tile's last visible token is masked for every row; leave it out
-                cut = int(valid.any(0).nonzero()[-1]) + 1
+                seen = valid.any(0).nonzero()
+                cut = int(seen[-1]) + 1 if seen.numel() else t
                 res = kernels.dense_mla(q_lat[s:e], q_rope[s:e], kv[:cut], valid[:, :cut], self.scale, want)
                 out[row0 + s : row0 + e] = res.out
                 if res.entropy is not None:
