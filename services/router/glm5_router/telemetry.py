@@ -1,10 +1,14 @@
 """Metrics (Prometheus, /metrics on the HTTP port) and traces (OpenTelemetry).
 
 Metrics: time to first token, time per output token, token usage, queue wait, queue depth, requests by
-outcome, retries, breaker state and transitions. Traces: a server span per request (gen_ai.* attributes)
-and a client span per worker attempt. Traces are exported only when configured the standard way:
-OTEL_TRACES_EXPORTER=console|otlp (otlp needs opentelemetry-exporter-otlp; endpoint and headers from
-OTEL_EXPORTER_OTLP_*); otherwise the tracer is OpenTelemetry's no-op and costs nothing.
+outcome, retries, breaker state and transitions, and each worker's signals as last polled (KV usage and
+fragmentation, attention-entropy drift, token-latency jitter, running/waiting, per-layer entropy and top-k:
+`glm5_worker_*{worker=...}`), so one scrape of the router shows what its breaker sees.
+
+Traces: a server span per request (gen_ai.* attributes) and a client span per worker attempt. Traces are
+exported only when configured the standard way: OTEL_TRACES_EXPORTER=console|otlp (otlp needs
+opentelemetry-exporter-otlp; endpoint and headers from OTEL_EXPORTER_OTLP_*); otherwise the tracer is
+OpenTelemetry's no-op and costs nothing.
 """
 
 from __future__ import annotations
@@ -13,21 +17,52 @@ import os
 from collections.abc import Callable, Iterator
 
 from glm5.errors import ConfigError
+from glm5.v1 import worker_pb2
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BREAKER_VALUES = {"closed": 0, "half_open": 1, "open": 2}
 
 
-class _LiveState(Collector):
-    """Queue depth and breaker states, read at scrape time (no bookkeeping on the hot path)."""
+# Worker signals as last polled (Worker.GetStats, every stats_interval_s): (metric, help, field, scale to base unit)
+WORKER_GAUGES = (
+    ("glm5_worker_kv_usage_ratio", "Share of the worker's KV blocks in use", "kv_usage", 1.0),
+    ("glm5_worker_kv_fragmentation_ratio", "Share of free KV blocks outside the largest free run",
+     "kv_fragmentation", 1.0),
+    ("glm5_worker_kv_blocks", "KV blocks in the worker's pool", "kv_blocks_total", 1.0),
+    ("glm5_worker_kv_blocks_free", "Free KV blocks", "kv_blocks_free", 1.0),
+    ("glm5_worker_attention_entropy_drift", "Largest attention-entropy drift over layers",
+     "attention_entropy_drift", 1.0),
+    ("glm5_worker_token_latency_jitter_seconds", "Standard deviation of inter-token latency (recent window)",
+     "token_latency_jitter_ms", 1e-3),
+    ("glm5_worker_token_latency_mean_seconds", "Mean inter-token latency (recent window)", "mean_token_latency_ms",
+     1e-3),
+    ("glm5_worker_requests_running", "Requests in the worker's running batch", "num_running", 1.0),
+    ("glm5_worker_requests_waiting", "Requests waiting in the worker", "num_waiting", 1.0),
+    ("glm5_worker_weight_version", "Weight version the worker serves", "weight_version", 1.0),
+    ("glm5_worker_prefix_cache_hit_ratio", "Share of prompt tokens served from the prefix cache",
+     "prefix_cache_hit_rate", 1.0),
+)  # fmt: skip
 
-    def __init__(self, depth: Callable[[], dict[str, int]], breakers: Callable[[], dict[str, str]]) -> None:
+WorkerSnapshot = tuple[bool, worker_pb2.WorkerStats | None]  # healthy, last stats
+
+
+class _LiveState(Collector):
+    """Queue depth, breaker states and the workers' polled signals, read at scrape time (no bookkeeping on the
+    hot path)."""
+
+    def __init__(
+        self,
+        depth: Callable[[], dict[str, int]],
+        breakers: Callable[[], dict[str, str]],
+        workers: Callable[[], dict[str, WorkerSnapshot]],
+    ) -> None:
         self.depth = depth
         self.breakers = breakers
+        self.workers = workers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         q = GaugeMetricFamily("glm5_router_queue_depth", "Requests waiting in this router's queues", labels=["lane"])
@@ -39,6 +74,34 @@ class _LiveState(Collector):
         for worker, state in self.breakers().items():
             b.add_metric([worker], BREAKER_VALUES[state])
         yield b
+        yield from self._worker_signals(self.workers())
+
+    @staticmethod
+    def _worker_signals(workers: dict[str, WorkerSnapshot]) -> Iterator[Metric]:
+        up = GaugeMetricFamily("glm5_worker_up", "1 if the worker answered its last health poll", labels=["worker"])
+        for address, (healthy, _) in workers.items():
+            up.add_metric([address], 1.0 if healthy else 0.0)
+        yield up
+        polled = {address: stats for address, (_, stats) in workers.items() if stats is not None}
+        for name, doc, field, scale in WORKER_GAUGES:
+            g = GaugeMetricFamily(name, f"{doc}, as last polled", labels=["worker"])
+            for address, stats in polled.items():
+                g.add_metric([address], float(getattr(stats, field)) * scale)
+            yield g
+        tokens = CounterMetricFamily("glm5_worker_generated_tokens", "Tokens the worker process has generated",
+                                     labels=["worker"])  # fmt: skip
+        entropy = GaugeMetricFamily("glm5_worker_layer_attention_entropy", "Smoothed sparse-attention entropy (nats)",
+                                    labels=["worker", "layer"])  # fmt: skip
+        topk = GaugeMetricFamily("glm5_worker_layer_topk", "Top-k in use (the dynamic-sparsity controller widens it)",
+                                 labels=["worker", "layer"])  # fmt: skip
+        for address, stats in polled.items():
+            tokens.add_metric([address], float(stats.generated_tokens_total))
+            for layer in stats.layers:
+                entropy.add_metric([address, str(layer.layer)], layer.attention_entropy)
+                topk.add_metric([address, str(layer.layer)], layer.topk)
+        yield tokens
+        yield entropy
+        yield topk
 
 
 class Telemetry:
@@ -58,8 +121,13 @@ class Telemetry:
                                    registry=r)  # fmt: skip
         self.tracer = trace.get_tracer("glm5.router")
 
-    def watch(self, depth: Callable[[], dict[str, int]], breakers: Callable[[], dict[str, str]]) -> None:
-        self.registry.register(_LiveState(depth, breakers))
+    def watch(
+        self,
+        depth: Callable[[], dict[str, int]],
+        breakers: Callable[[], dict[str, str]],
+        workers: Callable[[], dict[str, WorkerSnapshot]] = dict,
+    ) -> None:
+        self.registry.register(_LiveState(depth, breakers, workers))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,6 +4,7 @@ against a scripted worker process."""
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -35,8 +36,18 @@ def _install_provider() -> None:
 _install_provider()
 
 
+STATS = {
+    "kv_usage": 0.25, "kv_fragmentation": 0.5, "kv_blocks_total": 64, "kv_blocks_free": 48,
+    "attention_entropy_drift": 0.125, "token_latency_jitter_ms": 40.0, "mean_token_latency_ms": 12.0,
+    "num_waiting": 3, "weight_version": 7, "prefix_cache_hit_rate": 0.75,
+    "layers": [{"layer": 0, "attention_entropy": 2.5, "topk": 256},
+               {"layer": 2, "attention_entropy": 1.5, "topk": 384}],
+}  # fmt: skip
+
+
 @pytest_asyncio.fixture
 async def router(tmp_path: Path) -> AsyncIterator[tuple[RouterApp, str]]:
+    (tmp_path / "stats.json").write_text(json.dumps(STATS))
     proc, worker = start_scripted_worker(tmp_path / "stats.json")
     app = await start_router(RouterConfig(workers=(worker,), host="127.0.0.1", grpc_port=free_port(),
                                           http_port=free_port(), stats_interval_s=0.2))  # fmt: skip
@@ -68,12 +79,54 @@ async def test_spans_and_metrics(router: tuple[RouterApp, str]) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{app.http_port}/metrics", timeout=5) as r:
             return str(r.read().decode())
 
-    text = await asyncio.to_thread(scrape)  # the router serves from this event loop
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+    key = ("glm5_worker_generated_tokens_total", (("worker", worker),))
+    for _ in range(100):  # until a stats poll after the request has landed
+        samples = parse(await asyncio.to_thread(scrape))  # the router serves from this event loop
+        if samples.get(key, 0) > 0:
+            break
+        await asyncio.sleep(0.05)
     assert samples[("glm5_router_time_to_first_token_seconds_count", ())] >= 1
     assert samples[("glm5_router_queue_wait_seconds_count", ())] >= 1
     assert samples[("glm5_router_tokens_total", (("type", "completion"),))] > 0
     assert samples[("glm5_router_requests_total", (("outcome", "ok"),))] >= 1
     assert samples[("glm5_router_breaker_state", (("worker", worker),))] == 0
     assert ("glm5_router_queue_depth", (("lane", "short"),)) in samples
+    # the worker's signals as the router last polled them, in base units
+    w = (("worker", worker),)
+    assert samples[("glm5_worker_up", w)] == 1
+    assert samples[("glm5_worker_kv_usage_ratio", w)] == 0.25
+    assert samples[("glm5_worker_kv_fragmentation_ratio", w)] == 0.5
+    assert samples[("glm5_worker_kv_blocks", w)] == 64 and samples[("glm5_worker_kv_blocks_free", w)] == 48
+    assert samples[("glm5_worker_attention_entropy_drift", w)] == 0.125
+    assert samples[("glm5_worker_token_latency_jitter_seconds", w)] == pytest.approx(0.040)
+    assert samples[("glm5_worker_token_latency_mean_seconds", w)] == pytest.approx(0.012)
+    assert samples[("glm5_worker_requests_waiting", w)] == 3
+    assert samples[("glm5_worker_weight_version", w)] == 7
+    assert samples[("glm5_worker_prefix_cache_hit_ratio", w)] == 0.75
+    assert samples[key] > 0
+    assert samples[("glm5_worker_layer_attention_entropy", (("layer", "2"), ("worker", worker)))] == 1.5
+    assert samples[("glm5_worker_layer_topk", (("layer", "2"), ("worker", worker)))] == 384
+
+
+async def test_a_worker_that_stops_answering_is_reported_down(router: tuple[RouterApp, str], tmp_path: Path) -> None:
+    app, worker = router
+    (tmp_path / "stats.json").write_text(json.dumps({**STATS, "_unhealthy": True}))
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{app.http_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.labels.get("worker") == worker}  # fmt: skip
+
+    for _ in range(100):
+        samples = await asyncio.to_thread(scrape)
+        if samples["glm5_worker_up"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert samples["glm5_worker_up"] == 0
+    # its last polled signals stay visible, marked by glm5_worker_up
+    assert samples["glm5_worker_kv_usage_ratio"] == 0.25

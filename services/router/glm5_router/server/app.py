@@ -62,7 +62,11 @@ async def start_router(config: RouterConfig) -> RouterApp:
     pool.on_breaker = lambda address, state, reason: telemetry.transitions.labels(address, state.value).inc()
     queues = InProcessQueues(config.max_queued)
     dispatcher = Dispatcher(config, pool, queues, telemetry)
-    telemetry.watch(queues.depth, lambda: {a: w.breaker.current().value for a, w in pool.workers.items()})
+    telemetry.watch(
+        queues.depth,
+        lambda: {a: w.breaker.current().value for a, w in pool.workers.items()},
+        lambda: {a: (w.healthy, w.stats) for a, w in pool.workers.items()},
+    )
     frontend = Frontend(config, pool, dispatcher)
     await pool.start()
     dispatcher.start()
