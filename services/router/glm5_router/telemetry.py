@@ -64,7 +64,7 @@ class _LiveState(Collector):
         self.breakers = breakers
         self.workers = workers
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         q = GaugeMetricFamily("glm5_router_queue_depth", "Requests waiting in this router's queues", labels=["lane"])
         for lane, n in self.depth().items():
             q.add_metric([lane], n)
