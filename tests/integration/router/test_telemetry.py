@@ -45,6 +45,19 @@ STATS = {
 }  # fmt: skip
 
 
+async def _metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's /metrics as {(sample name, sorted labels): value}; fetched off the event loop the router
+    serves from."""
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    text = await asyncio.to_thread(scrape)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+
+
 @pytest_asyncio.fixture
 async def router(tmp_path: Path) -> AsyncIterator[tuple[RouterApp, str]]:
     (tmp_path / "stats.json").write_text(json.dumps(STATS))
@@ -75,17 +88,9 @@ async def test_spans_and_metrics(router: tuple[RouterApp, str]) -> None:
     assert client_span.parent is not None and client_span.parent.span_id == server.context.span_id
     assert dict(client_span.attributes or {})["server.address"] == worker
 
-    def scrape() -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{app.http_port}/metrics", timeout=5) as r:
-            return str(r.read().decode())
-
-    def parse(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
-
     key = ("glm5_worker_generated_tokens_total", (("worker", worker),))
     for _ in range(100):  # until a stats poll after the request has landed
-        samples = parse(await asyncio.to_thread(scrape))  # the router serves from this event loop
+        samples = await _metrics(app.http_port)
         if samples.get(key, 0) > 0:
             break
         await asyncio.sleep(0.05)
@@ -116,17 +121,12 @@ async def test_a_worker_that_stops_answering_is_reported_down(router: tuple[Rout
     app, worker = router
     (tmp_path / "stats.json").write_text(json.dumps({**STATS, "_unhealthy": True}))
 
-    def scrape() -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{app.http_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.labels.get("worker") == worker}  # fmt: skip
-
+    w = (("worker", worker),)
     for _ in range(100):
-        samples = await asyncio.to_thread(scrape)
-        if samples["glm5_worker_up"] == 0:
+        samples = await _metrics(app.http_port)
+        if samples[("glm5_worker_up", w)] == 0:
             break
         await asyncio.sleep(0.05)
-    assert samples["glm5_worker_up"] == 0
+    assert samples[("glm5_worker_up", w)] == 0
     # its last polled signals stay visible, marked by glm5_worker_up
-    assert samples["glm5_worker_kv_usage_ratio"] == 0.25
+    assert samples[("glm5_worker_kv_usage_ratio", w)] == 0.25
