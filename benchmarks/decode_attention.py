@@ -15,7 +15,7 @@ projections cost the same for both and are left out) and read the same paged lat
 `--kv-index-dtype`); the latent cache and both attention paths keep `--dtype`. `--device cuda --kernels triton`
 runs the sparse paths on the fused Triton kernels (the worker's `--kernels`); dense stays the portable one.
 `--allocator retain` (the default, as in the worker: glm5.allocator) keeps freed host memory in the process;
-`system` is glibc's default, under which each step faults its large buffers in again (the dense side most).
+`system` is glibc's default, under which each call maps its large buffers afresh (measured: the gather path).
 
 Usage: python benchmarks/decode_attention.py [--dtype bfloat16] [--index-dtype bfloat16]
                                              [--contexts 4096,16384,65536,131072]

@@ -47,7 +47,7 @@ WORKER_GAUGES = (
      "prefix_cache_hit_rate", 1.0),
 )  # fmt: skip
 
-WorkerSnapshot = tuple[bool, worker_pb2.WorkerStats | None]  # healthy, last stats
+WorkerSnapshot = tuple[str, bool, worker_pb2.WorkerStats | None]  # breaker state, healthy, last stats
 
 
 class _LiveState(Collector):
@@ -57,11 +57,9 @@ class _LiveState(Collector):
     def __init__(
         self,
         depth: Callable[[], dict[str, int]],
-        breakers: Callable[[], dict[str, str]],
         workers: Callable[[], dict[str, WorkerSnapshot]],
     ) -> None:
         self.depth = depth
-        self.breakers = breakers
         self.workers = workers
 
     def collect(self) -> Iterator[Metric]:
@@ -69,20 +67,21 @@ class _LiveState(Collector):
         for lane, n in self.depth().items():
             q.add_metric([lane], n)
         yield q
+        workers = self.workers()
         b = GaugeMetricFamily("glm5_router_breaker_state", "Circuit breaker per worker: 0 closed, 1 half-open, 2 open",
                               labels=["worker"])  # fmt: skip
-        for worker, state in self.breakers().items():
+        for worker, (state, _, _) in workers.items():
             b.add_metric([worker], BREAKER_VALUES[state])
         yield b
-        yield from self._worker_signals(self.workers())
+        yield from self._worker_signals(workers)
 
     @staticmethod
     def _worker_signals(workers: dict[str, WorkerSnapshot]) -> Iterator[Metric]:
         up = GaugeMetricFamily("glm5_worker_up", "1 if the worker answered its last health poll", labels=["worker"])
-        for address, (healthy, _) in workers.items():
+        for address, (_, healthy, _) in workers.items():
             up.add_metric([address], 1.0 if healthy else 0.0)
         yield up
-        polled = {address: stats for address, (_, stats) in workers.items() if stats is not None}
+        polled = {address: stats for address, (_, _, stats) in workers.items() if stats is not None}
         for name, doc, field, scale in WORKER_GAUGES:
             g = GaugeMetricFamily(name, f"{doc}, as last polled", labels=["worker"])
             for address, stats in polled.items():
@@ -121,13 +120,8 @@ class Telemetry:
                                    registry=r)  # fmt: skip
         self.tracer = trace.get_tracer("glm5.router")
 
-    def watch(
-        self,
-        depth: Callable[[], dict[str, int]],
-        breakers: Callable[[], dict[str, str]],
-        workers: Callable[[], dict[str, WorkerSnapshot]] = dict,
-    ) -> None:
-        self.registry.register(_LiveState(depth, breakers, workers))
+    def watch(self, depth: Callable[[], dict[str, int]], workers: Callable[[], dict[str, WorkerSnapshot]]) -> None:
+        self.registry.register(_LiveState(depth, workers))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -63,9 +63,7 @@ async def start_router(config: RouterConfig) -> RouterApp:
     queues = InProcessQueues(config.max_queued)
     dispatcher = Dispatcher(config, pool, queues, telemetry)
     telemetry.watch(
-        queues.depth,
-        lambda: {a: w.breaker.current().value for a, w in pool.workers.items()},
-        lambda: {a: (w.healthy, w.stats) for a, w in pool.workers.items()},
+        queues.depth, lambda: {a: (w.breaker.current().value, w.healthy, w.stats) for a, w in pool.workers.items()}
     )
     frontend = Frontend(config, pool, dispatcher)
     await pool.start()
