@@ -13,8 +13,9 @@ tokens from the lossy tiers); the table gives max and mean absolute logit drift 
 `--prompt problems` measures the INT8 tier where a trained model is in distribution: the shipped demo model's
 held-out addition problems, teacher-forced with their answers, with `l1_tokens` 0 and 8-token blocks and chunks
 so every earlier token is read back from INT8; drift is reported at the positions the model was trained to
-predict (the answer and end token), against the all-precision cache, next to the drift between running the
-model in bfloat16 and in float32 (the noise floor of bfloat16 itself).
+predict (the answer and end token), against the all-precision cache, next to the drift of a float32 model's
+cache held in bfloat16 or float16 (`--kv-cache-dtype`, no INT8 tier: the cache the bytes are compared against)
+and between running the model in bfloat16 and in float32 (the noise floor of bfloat16 itself).
 
 Usage: python benchmarks/kv_tiers.py [--prompt-len 4096] [--model DIR] [--prompt random|addition|problems]
 """
@@ -102,12 +103,14 @@ def prompt_logits(model: Path, prompt: list[int], l2: bool, l3: bool, dtype: str
     return torch.cat(rec.rows)[: len(prompt) - 1]
 
 
-def problem_logits(model: Path, seqs: list[list[int]], l2: bool, dtype: str) -> torch.Tensor:
-    """Teacher-forced logits of each sequence, every token but the current 8-token chunk read from the cache."""
+def problem_logits(model: Path, seqs: list[list[int]], l2: bool, dtype: str, kv_dtype: str = "auto") -> torch.Tensor:
+    """Teacher-forced logits of each sequence, every token but the current 8-token chunk read from the cache
+    (L1 in `kv_dtype`, the worker's --kv-cache-dtype)."""
     engine = Engine(
         EngineConfig(
             model=str(model),
             dtype=dtype,
+            kv_cache_dtype=kv_dtype,
             max_model_len=max(map(len, seqs)) + 8,
             kv_cache_bytes=64 << 20,
             kv_int8_tier=l2,
@@ -141,8 +144,14 @@ def problems_drift(model: Path, count: int) -> None:
           f"{model.name}, every earlier token read from the cache")  # fmt: skip
     print(f"{'model':>9} {'cache':>26} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9} {'mean':>9} {'argmax changed':>15}")
     ref = {dtype: problem_logits(model, seqs, l2=False, dtype=dtype) for dtype in ("float32", "bfloat16")}
+
+    def cache(kv_dtype: str) -> torch.Tensor:  # float32 model, no tier, L1 in kv_dtype
+        return problem_logits(model, seqs, l2=False, dtype="float32", kv_dtype=kv_dtype)
+
     rows = (
         ("float32", "INT8 tier", problem_logits(model, seqs, l2=True, dtype="float32"), ref["float32"]),
+        ("float32", "bfloat16 cache, no tier", cache("bfloat16"), ref["float32"]),
+        ("float32", "float16 cache, no tier", cache("float16"), ref["float32"]),
         ("bfloat16", "INT8 tier", problem_logits(model, seqs, l2=True, dtype="bfloat16"), ref["bfloat16"]),
         ("bfloat16", "no tier (vs float32 model)", ref["bfloat16"], ref["float32"]),
     )

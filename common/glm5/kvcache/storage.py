@@ -1,9 +1,10 @@
 """Paged storage of the MLA cache: per token and layer, the latent + shared rope key, and the indexer key.
 
-Two tiers share one slot address space. Slots [0, num_fp_slots) hold tokens at model precision (L1, recent
-tokens); slots [num_fp_slots, num_slots) hold tokens as INT8 with per-token scales (L2, older tokens). A
-block of `block_size` consecutive slots belongs to one tier; the worker's block manager decides which blocks
-a sequence uses and when an L1 block is demoted to L2. Nothing here knows about sequences.
+Two tiers share one slot address space. Slots [0, num_fp_slots) hold tokens in the layout's dtype (L1, recent
+tokens; the model's unless the worker sets another); slots [num_fp_slots, num_slots) hold tokens as INT8 with
+per-token scales (L2, older tokens). A block of `block_size` consecutive slots belongs to one tier; the
+worker's block manager decides which blocks a sequence uses and when an L1 block is demoted to L2. Nothing
+here knows about sequences.
 
 Quantisation is symmetric per token and per component (latent, rope key, indexer key each get one scale), so
 a gathered row dequantises as `int8 * scale` with no zero point.
@@ -62,7 +63,7 @@ class KVLayout:
         return self.num_fp_blocks + self.num_q_blocks
 
     def fp_bytes_per_token(self) -> int:
-        """All layers, model precision: latent + rope key (+ indexer key on full-indexer layers)."""
+        """All layers, L1: latent + rope key (+ indexer key on full-indexer layers)."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         idx_elem = torch.tensor([], dtype=self.idx_dtype).element_size()
         return elem * self.num_layers * self.kv_dim + idx_elem * self.num_index_layers * self.index_dim

@@ -56,9 +56,14 @@ class KVCache(Spec):
     l1_tokens: int = Field(128, ge=0, description="Most recent tokens kept at model precision.")
     block_size: int = Field(64, ge=1, le=4096, description="Tokens per KV block.")
     prefix_caching: bool = Field(True, description="Reuse cached blocks of repeated prompt prefixes.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="L1 latents' and rope keys' dtype (auto: the model's); bfloat16 in a float32 model halves them "
+        "(read back into float32 for attention).",
+    )
     index_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="L1 indexer keys' dtype (auto: the model's); bfloat16 in a float32 model halves them and speeds "
+        description="L1 indexer keys' dtype (auto: kvCache.dtype); bfloat16 in a float32 model halves them and speeds "
         "up long-context top-k selection, changing picks only among near-ties.",
     )
 

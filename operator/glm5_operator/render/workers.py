@@ -75,6 +75,7 @@ def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any
         "rope-original-max-position-embeddings": rope.original_max_position_embeddings if rope else None,
         "kv-cache-bytes": kv.bytes,
         "no-kv-int8-tier": not kv.int8_tier,
+        "kv-cache-dtype": kv.dtype,
         "kv-index-dtype": kv.index_dtype,
         "l1-tokens": kv.l1_tokens,
         "block-size": kv.block_size,

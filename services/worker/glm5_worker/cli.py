@@ -31,8 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", default="auto", help="KV pool size ('auto', or e.g. 512MiB, 4GiB)")
     p.add_argument("--kv-memory-fraction", type=float, default=d.kv_memory_fraction)
     p.add_argument("--no-kv-int8-tier", action="store_true", help="keep every token at model precision")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="L1 latents and rope keys (auto: the model dtype); bfloat16 halves them for a float32 "
+                   "model, read back into float32 for attention")  # fmt: skip
     p.add_argument("--kv-index-dtype", default=d.kv_index_dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="L1 indexer keys (auto: the model dtype); bfloat16 halves them for a float32 model and "
+                   help="L1 indexer keys (auto: --kv-cache-dtype); bfloat16 halves them for a float32 model and "
                    "speeds up long-context top-k selection")  # fmt: skip
     p.add_argument("--l1-tokens", type=int, default=d.l1_tokens, help="recent tokens kept at model precision")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -68,6 +71,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_cache_bytes=parse_bytes(a.kv_cache_bytes),
         kv_memory_fraction=a.kv_memory_fraction,
         kv_int8_tier=not a.no_kv_int8_tier,
+        kv_cache_dtype=a.kv_cache_dtype,
         kv_index_dtype=a.kv_index_dtype,
         l1_tokens=a.l1_tokens,
         enable_prefix_caching=not a.no_prefix_caching,

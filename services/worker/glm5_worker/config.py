@@ -29,7 +29,8 @@ class EngineConfig:
     kv_memory_fraction: float = 0.9
     kv_cpu_max_bytes: int = 4 << 30
     kv_int8_tier: bool = True  # L2: tokens older than l1_tokens stored as INT8 with per-token scales
-    kv_index_dtype: str = "auto"  # L1 indexer keys: auto = the model dtype; bfloat16 halves them in float32
+    kv_cache_dtype: str = "auto"  # L1 latents + rope keys: auto = the model dtype; bfloat16 halves them in float32
+    kv_index_dtype: str = "auto"  # L1 indexer keys: auto = kv_cache_dtype; bfloat16 halves them in float32
     l1_tokens: int = 128
     enable_prefix_caching: bool = True
     # scheduling
@@ -57,10 +58,9 @@ class EngineConfig:
             raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_index_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(
-                f"--kv-index-dtype must be auto, float32, bfloat16 or float16, got {self.kv_index_dtype!r}"
-            )
+        for flag, value in (("--kv-cache-dtype", self.kv_cache_dtype), ("--kv-index-dtype", self.kv_index_dtype)):
+            if value not in ("auto", "float32", "bfloat16", "float16"):
+                raise ConfigError(f"{flag} must be auto, float32, bfloat16 or float16, got {value!r}")
         if self.rope_scaling not in (None, "linear", "yarn"):
             raise ConfigError(f"--rope-scaling must be linear or yarn, got {self.rope_scaling!r}")
         if self.rope_scaling and self.rope_factor is None:

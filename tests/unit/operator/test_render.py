@@ -61,7 +61,7 @@ def test_engine_config_is_what_glm5_worker_reads(tmp_path: Path) -> None:
                   "ropeScaling": {"type": "yarn", "factor": 4, "originalMaxPositionEmbeddings": 16384}},
         "sparseAttention": {"denseWarmupTokens": 0, "dynamicSparsity": True, "kernels": "portable"},
         "kvCache": {"bytes": "40GiB", "int8Tier": False, "l1Tokens": 256, "blockSize": 128, "prefixCaching": False,
-                    "indexDtype": "bfloat16"},
+                    "dtype": "float16", "indexDtype": "bfloat16"},
         "workers": {"accelerator": "ascend-910b", "devicesPerReplica": 8, "maxNumSeqs": 32},
         "sampling": {"ascendTemperatureFloor": 0.4},
     })  # fmt: skip
@@ -84,7 +84,7 @@ def test_engine_config_is_what_glm5_worker_reads(tmp_path: Path) -> None:
     )
     assert engine.kv_cache_bytes == 40 << 30 and not engine.kv_int8_tier and not engine.enable_prefix_caching
     assert (engine.l1_tokens, engine.block_size, engine.max_num_seqs) == (256, 128, 32)
-    assert engine.kv_index_dtype == "bfloat16"
+    assert (engine.kv_cache_dtype, engine.kv_index_dtype) == ("float16", "bfloat16")
     assert engine.dense_warmup_tokens == 0 and engine.dynamic_sparsity and engine.kernels == "portable"
     assert engine.ascend_temperature_floor == 0.4
     # A flag on the command line still wins over the file.

@@ -297,3 +297,35 @@ def test_bfloat16_indexer_keys_in_a_float32_engine(checkpoint) -> None:
     assert len(t16) == len(t32) == 12
     with pytest.raises(ConfigError, match="kv-index-dtype"):
         EngineConfig(kv_index_dtype="int4")
+
+
+def test_bfloat16_cache_in_a_float32_engine(checkpoint) -> None:
+    """--kv-cache-dtype bfloat16: a float32 model keeps its L1 cache (latents, rope keys and, unless
+    --kv-index-dtype says otherwise, indexer keys) in half the bytes and reads it back into float32."""
+    path, _ = checkpoint
+    # shorter than top-k: every token attends to all earlier ones, so only the cache's rounding moves the logits
+    # (longer prompts on this random checkpoint also flip top-k picks among near-ties)
+    p = prompts(1, seed=24)[0][: TOPK - 1]
+    runs = {}
+    for kv, idx in (("auto", "auto"), ("bfloat16", "auto"), ("bfloat16", "float32"), ("float16", "auto")):
+        engine = make_engine(path, kv_cache_dtype=kv, kv_index_dtype=idx)
+        engine.add_request("x", None, p, greedy(4, prompt_logprobs=True))
+        outs = run(engine)["x"]
+        runs[kv, idx] = (engine, torch.tensor([x.logprob for o in outs for x in o.prompt_logprobs]))
+    e32, lp32 = runs["auto", "auto"]
+    e16, lp16 = runs["bfloat16", "auto"]
+    mixed, _ = runs["bfloat16", "float32"]
+    _, lp_half = runs["float16", "auto"]
+    assert next(e16.model.parameters()).dtype == torch.float32
+    assert (e32.storage.fp_kv.dtype, e32.storage.fp_index.dtype) == (torch.float32, torch.float32)
+    assert (e16.storage.fp_kv.dtype, e16.storage.fp_index.dtype) == (torch.bfloat16, torch.bfloat16)
+    assert (mixed.storage.fp_kv.dtype, mixed.storage.fp_index.dtype) == (torch.bfloat16, torch.float32)
+    assert e16.pool_plan.fp_bytes_per_token * 2 == e32.pool_plan.fp_bytes_per_token
+    # the same pool bytes hold twice the tokens
+    assert e16.pool_plan.num_fp_blocks == 2 * e32.pool_plan.num_fp_blocks
+    # rounding moves the prompt's logprobs a little, float16's 10-bit mantissa less than bfloat16's 7-bit one
+    assert len(lp16) == len(lp32) == len(p) - 1
+    d_bf16, d_fp16 = (lp16 - lp32).abs().max(), (lp_half - lp32).abs().max()
+    assert 0 < d_fp16 < d_bf16 < 0.1, (d_fp16, d_bf16)
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        EngineConfig(kv_cache_dtype="fp8")

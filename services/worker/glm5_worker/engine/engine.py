@@ -95,7 +95,9 @@ class Engine:
             config.dtype if config.dtype != "auto" else ("float32" if self.device.type == "cpu" else "bfloat16")
         )
         self.dtype = parse_dtype(dtype_name)
-        self.index_dtype = parse_dtype(config.kv_index_dtype) if config.kv_index_dtype != "auto" else self.dtype
+        # the L1 cache may be narrower than the model: it is read back into the model dtype for attention
+        self.kv_dtype = parse_dtype(config.kv_cache_dtype) if config.kv_cache_dtype != "auto" else self.dtype
+        self.index_dtype = parse_dtype(config.kv_index_dtype) if config.kv_index_dtype != "auto" else self.kv_dtype
         rope = self._rope_override(ModelConfig.from_file(model_dir))
         self.model = load_model(model_dir, self.dtype, self.device, rope=rope)
         self.model_config: ModelConfig = self.model.config
@@ -180,16 +182,16 @@ class Engine:
             cap = c.kv_cpu_max_bytes if self.device.type == "cpu" else None
             fraction = 0.5 if self.device.type == "cpu" else c.kv_memory_fraction
             total = auto_bytes(
-                mc, self.dtype, available_memory(self.device), fraction, cap, c.block_size, self.max_model_len,
+                mc, self.kv_dtype, available_memory(self.device), fraction, cap, c.block_size, self.max_model_len,
                 c.max_num_seqs, chunk, l1, c.kv_int8_tier, self.index_dtype,
             )  # fmt: skip
         self.pool_plan = plan_pool(
-            mc, self.dtype, total, c.block_size, self.max_model_len, c.max_num_seqs, chunk, l1, c.kv_int8_tier,
+            mc, self.kv_dtype, total, c.block_size, self.max_model_len, c.max_num_seqs, chunk, l1, c.kv_int8_tier,
             self.index_dtype,
         )  # fmt: skip
         p = self.pool_plan
         layout = make_layout(
-            mc, c.block_size, p.num_fp_blocks, p.num_q_blocks, self.dtype, self.device, self.index_dtype
+            mc, c.block_size, p.num_fp_blocks, p.num_q_blocks, self.kv_dtype, self.device, self.index_dtype
         )
         self.storage = PagedKVStorage(layout)
         self.blocks = BlockManager(p.num_fp_blocks, p.num_q_blocks, c.block_size, l1, c.enable_prefix_caching)

@@ -1,4 +1,4 @@
-"""How big the KV pool is, and how it splits into the L1 (model precision) and L2 (INT8) tiers.
+"""How big the KV pool is, and how it splits into the L1 (model precision or --kv-cache-dtype) and L2 (INT8) tiers.
 
 MLA caches, per token and layer, the compressed latent and the shared rope key instead of expanded K/V, and
 DSA adds one indexer key per token on layers that run their own indexer. Bytes per token (all layers):
@@ -104,7 +104,7 @@ def plan_pool(
     if total_bytes < need_one:
         raise CapacityError(
             f"the KV cache needs {need_one / 2**20:.1f} MiB to hold one sequence of max_model_len={max_model_len} "
-            f"tokens ({fp_tok} B/token at model precision"
+            f"tokens ({fp_tok} B/token in L1"
             + (f", {q_tok} B/token in the INT8 tier" if int8_tier else "")
             + f") but only {total_bytes / 2**20:.1f} MiB are available; lower --max-model-len or raise "
             "--kv-cache-bytes"
