@@ -32,7 +32,8 @@ SHARED_TILE_ROWS = 128
 
 @dataclass(slots=True)
 class Picked:
-    """The tokens a group of queries attends to. `shared`: one context for all queries (dense path)."""
+    """The tokens a group of queries attends to. `shared`: one context for all queries (dense path); its n
+    queries are then the context's last n positions (a prefill chunk), so query i sees at most T - n + i + 1."""
 
     slots: torch.Tensor  # (n, k) per query, or (T,) when shared
     valid: torch.Tensor  # (n, k) or (n, T)
@@ -185,11 +186,8 @@ class MLAttention(nn.Module):
             tile = max(1, min(SHARED_TILE_ROWS, SCRATCH_ELEMENTS // (self.num_heads * t)))
             for s in range(0, n, tile):
                 e = min(n, s + tile)
-                valid = pick.valid[s:e]
-                # causal: the context past the tile's last visible token is masked for every row; leave it out
-                seen = valid.any(0).nonzero()
-                cut = int(seen[-1]) + 1 if seen.numel() else t
-                res = kernels.dense_mla(q_lat[s:e], q_rope[s:e], kv[:cut], valid[:, :cut], self.scale, want)
+                cut = t - n + e  # causal: nothing past the tile's last row is visible to any of its rows
+                res = kernels.dense_mla(q_lat[s:e], q_rope[s:e], kv[:cut], pick.valid[s:e, :cut], self.scale, want)
                 out[row0 + s : row0 + e] = res.out
                 if res.entropy is not None:
                     entropies.append(res.entropy)
