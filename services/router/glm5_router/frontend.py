@@ -209,10 +209,19 @@ class Frontend:
                 raise InvalidRequestError(f"messages[{i}].role", "must be system, user, assistant or tool")
             m = dict(m)
             content = m.get("content")
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                m["content"] = "".join(
-                    p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-                )
+            if isinstance(content, list):  # OpenAI content parts: this model reads text only
+                for j, part in enumerate(content):
+                    if (
+                        not isinstance(part, dict)
+                        or part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)
+                    ):
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise InvalidRequestError(
+                            f"messages[{i}].content[{j}]",
+                            f"only text parts are supported (this model reads text), got {kind!r}",
+                        )
+                m["content"] = "".join(part["text"] for part in content)
             elif content is not None and not isinstance(content, str):
                 raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
             if m["role"] == "assistant":

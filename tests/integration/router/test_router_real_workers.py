@@ -63,6 +63,45 @@ def test_openai_chat_stream_matches_whole_and_reports_usage(stack: dict[str, Any
     assert completion.usage is not None and completion.usage.completion_tokens <= 8
 
 
+def test_openai_logprobs_and_echo(stack: dict[str, Any]) -> None:
+    client = openai.OpenAI(base_url=stack["base"], api_key="none", max_retries=0, timeout=120)
+    kw: dict[str, Any] = dict(model="glm5-tiny", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                              max_tokens=12, temperature=0, logprobs=True, top_logprobs=2,
+                              extra_body={"thinking": {"type": "disabled"}})  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].logprobs is not None and whole.usage is not None
+    entries = whole.choices[0].logprobs.content or []
+    assert len(entries) == whole.usage.completion_tokens > 0  # one per generated token
+    for e in entries:
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        # greedy: the chosen token is the most likely one
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+    streamed = [
+        e.token
+        for chunk in client.chat.completions.create(**kw, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content or []
+    ]
+    assert streamed == [e.token for e in entries]
+
+    prompt = "1 2 3 4"
+    plain = client.completions.create(model="glm5-tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+    echoed = client.completions.create(model="glm5-tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
+                                       echo=True)  # fmt: skip
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    lp, lp_plain = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert lp is not None and lp_plain is not None and echoed.usage is not None
+    tokens, offsets = lp.tokens or [], lp.text_offset or []
+    assert len(tokens) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens
+    assert "".join(tokens) == echoed.choices[0].text
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert (lp.token_logprobs or [])[0] is None and all(x <= 0 for x in (lp.token_logprobs or [])[1:])
+    # the generated part is what the request without echo got
+    n = echoed.usage.prompt_tokens
+    assert tokens[n:] == lp_plain.tokens and (lp.token_logprobs or [])[n:] == lp_plain.token_logprobs
+
+
 def test_load_spreads_over_both_workers(stack: dict[str, Any]) -> None:
     async def one(stub: router_pb2_grpc.RouterStub, i: int) -> str:
         req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(

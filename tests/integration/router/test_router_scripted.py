@@ -173,6 +173,18 @@ def test_client_errors_are_4xx_and_the_router_keeps_serving(stack: dict[str, Any
     assert status == 400 and body["error"]["param"] == "messages[0].role"
     status, body, _ = _post(stack["base"] + "/completions", {"prompt": "x", "temperature": "hot"})
     assert status == 400 and body["error"]["param"] == "temperature"
+    # asked-for behaviour the model cannot give is refused, not silently dropped
+    user = [{"role": "user", "content": "x"}]
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model="glm5-scripted", messages=user, response_format={"type": "json_object"})  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs: needs logprobs"):
+        client.chat.completions.create(model="glm5-scripted", messages=user, top_logprobs=2)  # type: ignore[arg-type]
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    status, body, _ = _post(stack["base"] + "/chat/completions",
+                            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, image]}]})  # fmt: skip
+    assert (
+        status == 400 and body["error"]["param"] == "messages[0].content[1]" and "image_url" in body["error"]["message"]
+    )
     assert (
         client.completions.create(model="glm5-scripted", prompt="still fine", max_tokens=3).choices[0].text
         == " token" * 3

@@ -19,9 +19,11 @@ from typing import Any
 
 from aiohttp import web
 from glm5.errors import CapacityError, DeadlineError, InvalidRequestError, UnavailableError
+from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2
 
 from glm5_router.frontend import Delta, Frontend, GenerateInput, Thinking
+from glm5_router.parsing.reasoning import THINK_CLOSE, THINK_OPEN
 from glm5_router.parsing.tools import ToolCall, ToolCallError
 from glm5_router.scheduling.dispatcher import WorkerStatusError
 
@@ -119,6 +121,10 @@ def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
         s.stop.extend(stop)
     elif stop is not None:
         raise ApiError(400, "stop: expected a string or a list of strings", "invalid_request_error", "stop")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise ApiError(400, "response_format: only {'type': 'text'} is supported (no constrained decoding)",
+                       "invalid_request_error", "response_format")  # fmt: skip
     for key in ("presence_penalty", "frequency_penalty"):
         if _get(body, key, (int, float), 0):
             raise ApiError(400, f"{key}: not supported (use repetition_penalty)", "invalid_request_error", key)
@@ -157,6 +163,45 @@ def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     if index is not None:
         out["index"] = index
     return out
+
+
+def _token(tok: Tokenizer, token_id: int) -> str:
+    # a token that ends inside a UTF-8 character decodes to U+FFFD on its own, as in vLLM's logprobs
+    return tok.decode([token_id])
+
+
+def _chat_logprobs(tok: Tokenizer, lps: list[common_pb2.TokenLogprob]) -> dict[str, Any]:
+    """OpenAI chat `choice.logprobs`: one entry per generated token, reasoning tokens included."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token(tok, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob) for t in lp.top]}
+            for lp in lps
+        ]
+    }
+
+
+def _completion_logprobs(
+    tok: Tokenizer, lps: list[common_pb2.TokenLogprob | None], token_ids: list[int], offset: int
+) -> dict[str, Any]:
+    """OpenAI completions `choice.logprobs`; None entries (the echoed prompt's first token) have no logprob."""
+    tokens = [_token(tok, t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob if lp is not None else None for lp in lps],
+        "top_logprobs": [
+            {_token(tok, t.token_id): t.logprob for t in lp.top} if lp is not None else None for lp in lps
+        ],
+        "text_offset": offsets,
+    }
 
 
 class OpenAIServer:
@@ -225,6 +270,8 @@ class OpenAIServer:
         logprobs = _get(body, "logprobs", int)
         if logprobs is not None:
             base.return_logprobs, base.top_logprobs = True, logprobs
+        echo = _get(body, "echo", bool, False)
+        base.return_prompt_logprobs = echo and base.return_logprobs
         inp = self._input(request, body, base)
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -241,22 +288,46 @@ class OpenAIServer:
         job, in_reasoning, _ = self.frontend.build(inp)
         stream = self.frontend.stream(job, in_reasoning, None, inp.session_id)
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
+        tok = self.frontend.tokenizer
+        prompt_ids = list(job.request.prompt_token_ids)
+        prompt_text = (inp.prompt or tok.decode(prompt_ids)) if echo else ""
+        offset = 0  # characters of text sent so far, for logprobs.text_offset
+        thinking = in_reasoning
+
+        def raw(d: Delta) -> str:
+            """The generated text as the model wrote it: the parser's reasoning back inside its tags."""
+            nonlocal thinking
+            out = ""
+            if d.reasoning:
+                out += "" if thinking else THINK_OPEN
+                out, thinking = out + d.reasoning, True
+            if d.content:
+                out += THINK_CLOSE if thinking else ""
+                out, thinking = out + d.content, False
+            return out
 
         def chunk(text: str, finish: str | None, resp: worker_pb2.GenerateResponse | None) -> dict[str, Any]:
+            nonlocal offset
             choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             if resp is not None and base.return_logprobs:
-                choice["logprobs"] = {"tokens": [str(lp.token_id) for lp in resp.logprobs],
-                                      "token_logprobs": [lp.logprob for lp in resp.logprobs]}  # fmt: skip
+                lps: list[common_pb2.TokenLogprob | None] = list(resp.logprobs)
+                ids = [lp.token_id for lp in resp.logprobs]
+                if base.return_prompt_logprobs and resp.prompt_logprobs:  # the echoed prompt comes first
+                    lps, ids = [None, *resp.prompt_logprobs, *lps], prompt_ids + ids
+                choice["logprobs"] = _completion_logprobs(tok, lps, ids, offset)
+            offset += len(text)
             return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
         if _get(body, "stream", bool, False):
             stream = await _primed(stream)
             sse = await self._start_sse(request)
-            usage = None
+            usage, first = None, True
             try:
                 async for d in stream:
                     finish = FINISH.get(d.response.finish_reason)
-                    text = (d.reasoning and f"<think>{d.reasoning}</think>" + d.content) or d.content
+                    text = raw(d)
+                    if first:
+                        text, first = prompt_text + text, False
                     if text or finish:
                         await _send(sse, chunk(text, finish, d.response))
                     if finish:
@@ -268,12 +339,16 @@ class OpenAIServer:
                 await _send(sse, to_api_error(exc).body())
             await sse.write(b"data: [DONE]\n\n")
             return sse
-        parts, last = [], None
+        parts, last = [prompt_text], None
+        merged = worker_pb2.GenerateResponse()
         async for d in stream:
-            parts.append(d.content)
+            parts.append(raw(d))
+            merged.logprobs.extend(d.response.logprobs)
+            if d.response.prompt_logprobs and not merged.prompt_logprobs:
+                merged.prompt_logprobs.extend(d.response.prompt_logprobs)
             last = d.response
         assert last is not None
-        out = chunk("".join(parts), FINISH.get(last.finish_reason), None)
+        out = chunk("".join(parts), FINISH.get(last.finish_reason), merged)
         out["usage"] = _usage(last)
         return web.json_response(out)
 
@@ -285,6 +360,8 @@ class OpenAIServer:
         if _get(body, "logprobs", bool, False):
             base.return_logprobs = True
             base.top_logprobs = _get(body, "top_logprobs", int, 0)
+        elif _get(body, "top_logprobs", int):
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "invalid_request_error", "top_logprobs")
         inp = self._input(request, body, base)
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -325,8 +402,11 @@ class OpenAIServer:
                     finish = FINISH.get(d.response.finish_reason)
                     if finish == "stop" and n_calls:
                         finish = "tool_calls"
-                    if delta or finish:
-                        await _send(sse, {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+                    if base.return_logprobs:
+                        choice["logprobs"] = _chat_logprobs(self.frontend.tokenizer, list(d.response.logprobs))
+                    if delta or finish or (base.return_logprobs and d.response.logprobs):
+                        await _send(sse, {**head, "choices": [choice]})
                     if finish:
                         usage = _usage(d.response)
                 if usage and (body.get("stream_options") or {}).get("include_usage"):
@@ -337,7 +417,9 @@ class OpenAIServer:
             return sse
 
         reasoning, content, calls, errors, last = [], [], [], [], None
+        lps: list[common_pb2.TokenLogprob] = []
         async for d in stream:
+            lps += d.response.logprobs
             reasoning.append(d.reasoning)
             content.append(d.content)
             calls += [r for r in d.tool_results if isinstance(r, ToolCall)]
@@ -353,8 +435,10 @@ class OpenAIServer:
         finish = FINISH.get(last.finish_reason)
         if finish == "stop" and calls:
             finish = "tool_calls"
+        logprobs = _chat_logprobs(self.frontend.tokenizer, lps) if base.return_logprobs else None
         return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                                  "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                                  "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                                               "logprobs": logprobs}],
                                   "usage": _usage(last)})  # fmt: skip
 
     async def _start_sse(self, request: web.Request) -> web.StreamResponse:
