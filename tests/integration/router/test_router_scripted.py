@@ -180,8 +180,8 @@ def test_client_errors_are_4xx_and_the_router_keeps_serving(stack: dict[str, Any
     with pytest.raises(openai.BadRequestError, match="top_logprobs: needs logprobs"):
         client.chat.completions.create(model="glm5-scripted", messages=user, top_logprobs=2)  # type: ignore[arg-type]
     image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
-    status, body, _ = _post(stack["base"] + "/chat/completions",
-                            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, image]}]})  # fmt: skip
+    parts = [{"type": "text", "text": "x"}, image]
+    status, body, _ = _post(stack["base"] + "/chat/completions", {"messages": [{"role": "user", "content": parts}]})
     assert (
         status == 400 and body["error"]["param"] == "messages[0].content[1]" and "image_url" in body["error"]["message"]
     )
