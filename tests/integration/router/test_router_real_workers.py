@@ -102,6 +102,24 @@ def test_openai_logprobs_and_echo(stack: dict[str, Any]) -> None:
     assert tokens[n:] == lp_plain.tokens and (lp.token_logprobs or [])[n:] == lp_plain.token_logprobs
 
 
+def test_openai_penalties_reach_the_sampler(stack: dict[str, Any]) -> None:
+    client = openai.OpenAI(base_url=stack["base"], api_key="none", max_retries=0, timeout=120)
+
+    def tokens(**kw: Any) -> list[str]:
+        out = client.completions.create(model="glm5-tiny", prompt="1 2 3 4", max_tokens=12, temperature=0,
+                                        logprobs=0, **kw)  # fmt: skip
+        assert out.choices[0].logprobs is not None
+        return out.choices[0].logprobs.tokens or []
+
+    plain, penalised = tokens(), tokens(frequency_penalty=2.0, presence_penalty=2.0)
+    most = max(set(plain), key=plain.count)
+    assert plain.count(most) > 2  # the demo model repeats itself on this prompt
+    assert penalised.count(most) < plain.count(most)
+    assert max(penalised.count(t) for t in set(penalised)) < plain.count(most)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        tokens(frequency_penalty=2.5)
+
+
 def test_load_spreads_over_both_workers(stack: dict[str, Any]) -> None:
     async def one(stub: router_pb2_grpc.RouterStub, i: int) -> str:
         req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(

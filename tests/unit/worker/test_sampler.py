@@ -39,6 +39,27 @@ def test_repetition_penalty_discourages_seen_tokens() -> None:
     assert sampler.sample(logits, [penalised])[0].token_id == 2
 
 
+def test_presence_and_frequency_penalties_are_openais_over_generated_tokens() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, 0.5]])
+    sampler = Sampler(0, torch.device("cpu"))
+    s = seq(temperature=0.0, logprobs=True, presence_penalty=0.6, frequency_penalty=0.3)
+    s.prompt_ids = [4, 4, 4]  # the prompt is not penalised
+    s.output_ids = [1, 1, 2]
+    penalised = sampler._penalise(logits, [s])
+    # token 1: 3 - 0.6 - 2 * 0.3; token 2: 2 - 0.6 - 0.3; the rest untouched
+    assert torch.allclose(penalised, torch.tensor([[0.0, 1.8, 1.1, 1.0, 0.5]]))
+    out = sampler.sample(logits, [s])[0]
+    assert out.token_id == 1  # still the most likely after penalties (1.8 > 1.1 > 1.0)
+    # logprobs stay those of the raw distribution
+    assert abs(out.logprob - float(torch.log_softmax(logits, -1)[0, 1])) < 1e-6
+    s.output_ids = [1, 1, 1, 1]
+    assert sampler.sample(logits, [s])[0].token_id == 2  # 3 - 0.6 - 1.2 = 1.2 < 2.0
+    negative = seq(temperature=0.0, presence_penalty=-2.0)
+    negative.output_ids = [2]
+    assert sampler.sample(logits, [negative])[0].token_id == 2  # a negative penalty favours repeats (4.0 > 3.0)
+    assert sampler._penalise(logits, [seq(presence_penalty=1.0)]) is logits  # nothing generated yet: no copy
+
+
 def test_seed_fixes_the_draw() -> None:
     logits = torch.randn(1, 50)
     sampler = Sampler(0, torch.device("cpu"))

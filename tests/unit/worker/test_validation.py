@@ -22,6 +22,16 @@ def test_ascend_raises_low_temperatures_to_the_floor_with_a_warning(caplog: pyte
     assert validate_params(SamplingParams(temperature=0.1), 5, off).temperature == 0.1
 
 
+def test_penalties_are_bounded_like_openais() -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        for ok in (-2.0, 0.0, 1.5, 2.0):
+            assert getattr(validate_params(SamplingParams(**{name: ok}), 5, CPU), name) == ok
+        for bad in (-2.5, 2.01, float("nan"), float("inf")):
+            with pytest.raises(InvalidRequestError) as err:
+                validate_params(SamplingParams(**{name: bad}), 5, CPU)
+            assert err.value.field == f"sampling.{name}"
+
+
 def test_prompt_rules() -> None:
     validate_prompt_ids([1, 2, 99], CPU)
     for ids, field in (([], "prompt"), ([100], "prompt_token_ids"), ([-1], "prompt_token_ids"), ([1] * 1024, "prompt")):

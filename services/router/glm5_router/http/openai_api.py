@@ -101,6 +101,8 @@ def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
         ("temperature", "temperature"),
         ("top_p", "top_p"),
         ("repetition_penalty", "repetition_penalty"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
     ):
         value = _get(body, key, (int, float))
         if value is not None:
@@ -125,9 +127,6 @@ def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise ApiError(400, "response_format: only {'type': 'text'} is supported (no constrained decoding)",
                        "invalid_request_error", "response_format")  # fmt: skip
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _get(body, key, (int, float), 0):
-            raise ApiError(400, f"{key}: not supported (use repetition_penalty)", "invalid_request_error", key)
     return req
 
 

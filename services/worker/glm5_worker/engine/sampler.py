@@ -1,4 +1,4 @@
-"""Turns logits into tokens: repetition penalty, temperature, top-k, top-p, seeded sampling, logprobs.
+"""Turns logits into tokens: repetition, presence and frequency penalties, temperature, top-k, top-p, seeded sampling, logprobs.
 
 Logprobs are those of the raw distribution (log_softmax of the model's logits, temperature 1, before any
 filtering), which is what an RL trainer recomputes. A request with a seed draws from its own generator, so
@@ -61,17 +61,23 @@ class Sampler:
         return picked.squeeze(1).cpu()
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        if all(s.params.repetition_penalty == 1.0 for s in seqs):
+        if all(_unpenalised(s) for s in seqs):
             return logits
         logits = logits.clone()
         for i, seq in enumerate(seqs):
-            penalty = seq.params.repetition_penalty
-            if penalty == 1.0:
-                continue
-            # CTRL (Keskar et al. 2019): divide positive logits, multiply negative ones
-            ids = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.long, device=logits.device)
-            row = logits[i, ids]
-            logits[i, ids] = torch.where(row > 0, row / penalty, row * penalty)
+            p = seq.params
+            if p.repetition_penalty != 1.0:
+                # CTRL (Keskar et al. 2019): divide positive logits, multiply negative ones
+                ids = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.long, device=logits.device)
+                row = logits[i, ids]
+                logits[i, ids] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+                # OpenAI's: over generated tokens only, once per token plus once per occurrence
+                out = torch.tensor(seq.output_ids, dtype=torch.long, device=logits.device)
+                counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
+                    0, out, torch.ones(out.shape[0], device=logits.device)
+                )
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
     def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -92,6 +98,12 @@ class Sampler:
             sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return torch.softmax(logits, dim=-1)
+
+
+def _unpenalised(seq: Sequence) -> bool:
+    p = seq.params
+    no_output_penalty = not seq.output_ids or (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+    return p.repetition_penalty == 1.0 and no_output_penalty
 
 
 def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:

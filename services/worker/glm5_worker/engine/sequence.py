@@ -26,6 +26,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)

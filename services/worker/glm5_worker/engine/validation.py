@@ -13,6 +13,7 @@ from glm5_worker.engine.sequence import SamplingParams
 log = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_PENALTY = 2.0  # presence / frequency penalties, as OpenAI and vLLM bound them
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,10 @@ def validate_params(params: SamplingParams, num_prompt_tokens: int, limits: Limi
         raise InvalidRequestError("sampling.top_k", f"must be >= 0 (0 disables it), got {params.top_k}")
     if not math.isfinite(params.repetition_penalty) or params.repetition_penalty <= 0:
         raise InvalidRequestError("sampling.repetition_penalty", f"must be > 0, got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidRequestError(f"sampling.{name}", f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
     if params.max_new_tokens <= 0:
         raise InvalidRequestError("sampling.max_new_tokens", f"must be > 0, got {params.max_new_tokens}")
     if num_prompt_tokens + params.max_new_tokens > limits.max_model_len:
