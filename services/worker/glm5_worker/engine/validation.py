@@ -53,7 +53,9 @@ def validate_params(params: SamplingParams, num_prompt_tokens: int, limits: Limi
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(params, name)
         if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise InvalidRequestError(f"sampling.{name}", f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+            raise InvalidRequestError(
+                f"sampling.{name}", f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
+            )
     if params.max_new_tokens <= 0:
         raise InvalidRequestError("sampling.max_new_tokens", f"must be > 0, got {params.max_new_tokens}")
     if num_prompt_tokens + params.max_new_tokens > limits.max_model_len:
