@@ -1,4 +1,5 @@
-"""Turns logits into tokens: repetition, presence and frequency penalties, temperature, top-k, top-p, seeded sampling, logprobs.
+"""Turns logits into tokens: penalties (repetition, presence, frequency), temperature, top-k, top-p, seeded
+sampling, logprobs.
 
 Logprobs are those of the raw distribution (log_softmax of the model's logits, temperature 1, before any
 filtering), which is what an RL trainer recomputes. A request with a seed draws from its own generator, so
