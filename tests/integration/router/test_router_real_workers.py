@@ -120,6 +120,40 @@ def test_openai_penalties_reach_the_sampler(stack: dict[str, Any]) -> None:
         tokens(frequency_penalty=2.5)
 
 
+def test_openai_n_choices(stack: dict[str, Any]) -> None:
+    """`n` choices are requests of their own with seeds seed + i: the same as n single requests, whole or
+    streamed, with the prompt counted once in the usage."""
+    client = openai.OpenAI(base_url=stack["base"], api_key="none", max_retries=0, timeout=120)
+    kw: dict[str, Any] = dict(model="glm5-tiny", messages=[{"role": "user", "content": "What is 17 + 25?"}],
+                              max_tokens=10, temperature=1.5, logprobs=True,
+                              extra_body={"thinking": {"type": "disabled"}})  # fmt: skip
+    many = client.chat.completions.create(**kw, n=3, seed=7)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(**kw, seed=7 + i) for i in range(3)]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in many.choices}) > 1  # sampled at 1.5 with different seeds
+    assert many.usage is not None and singles[0].usage is not None
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(len(c.logprobs.content or []) for c in many.choices if c.logprobs)
+
+    texts, finishes, usage = ["", "", ""], [None, None, None], None
+    for chunk in client.chat.completions.create(**kw, n=3, seed=7, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = finishes[c.index] or c.finish_reason
+        usage = chunk.usage or usage
+    assert texts == [c.message.content for c in many.choices]
+    assert finishes == [c.finish_reason for c in many.choices]
+    assert usage is not None and usage.completion_tokens == many.usage.completion_tokens
+
+    completions = client.completions.create(model="glm5-tiny", prompt="1 2", max_tokens=4, n=2, echo=True, seed=3)
+    assert [c.index for c in completions.choices] == [0, 1]
+    assert all(c.text.startswith("1 2") for c in completions.choices)
+    for bad in (0, 65):
+        with pytest.raises(openai.BadRequestError, match="n: must be in 1..64"):
+            client.completions.create(model="glm5-tiny", prompt="1 2", max_tokens=4, n=bad)
+
+
 def test_load_spreads_over_both_workers(stack: dict[str, Any]) -> None:
     async def one(stub: router_pb2_grpc.RouterStub, i: int) -> str:
         req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(

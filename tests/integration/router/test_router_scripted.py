@@ -157,6 +157,20 @@ def test_mid_stream_failure_ends_with_an_error_not_a_duplicate(client: openai.Op
     assert "".join(seen) == " token token"  # what was sent is not sent again
 
 
+def test_a_failing_choice_ends_the_request_with_one_error(client: openai.OpenAI) -> None:
+    seen: dict[int, str] = {}
+    user = [{"role": "user", "content": "FAIL_AFTER"}]
+    with pytest.raises(openai.APIError, match="mid-stream"):
+        for chunk in client.chat.completions.create(model="glm5-scripted", messages=user, stream=True, n=2):  # type: ignore[arg-type]
+            for c in chunk.choices:
+                seen[c.index] = seen.get(c.index, "") + (c.delta.content or "")
+    assert set(seen) <= {0, 1} and all(text in ("", " token", " token token") for text in seen.values())
+    with pytest.raises(openai.APIError):
+        client.chat.completions.create(model="glm5-scripted", messages=user, n=2)  # type: ignore[arg-type]
+    ok = client.completions.create(model="glm5-scripted", prompt="fine", max_tokens=2, n=2)
+    assert [c.text for c in ok.choices] == [" token token"] * 2
+
+
 def test_client_errors_are_4xx_and_the_router_keeps_serving(stack: dict[str, Any], client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])

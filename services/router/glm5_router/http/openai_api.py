@@ -1,21 +1,24 @@
 """OpenAI-compatible HTTP: GET /v1/models, POST /v1/completions and /v1/chat/completions (`stream: true` as
 server-sent events, `reasoning_content` deltas, `tools` / `tool_calls`, usage), /health.
 
-Extensions: `top_k`, `repetition_penalty`; thinking per request through `thinking: {"type": "enabled" |
-"disabled"}` (GLM API), `chat_template_kwargs: {"enable_thinking": bool}` (vLLM) or `reasoning_effort`
-("low" -> light, "medium"/"high" -> deep); a session id in the `X-Session-Id` header (or `user`) for
-affinity and preserved reasoning. A tool call the registry rejects is returned in
+`n` choices, logprobs, echo and the presence / frequency penalties as OpenAI defines them. Extensions:
+`top_k`, `repetition_penalty`; thinking per request through `thinking: {"type": "enabled" | "disabled"}`
+(GLM API), `chat_template_kwargs: {"enable_thinking": bool}` (vLLM) or `reasoning_effort` ("low" -> light,
+"medium"/"high" -> deep); a session id in the `X-Session-Id` header (or `user`) for affinity and preserved
+reasoning. A tool call the registry rejects is returned in
 `message.tool_call_errors` (never in `tool_calls`) and the finish reason stays "stop".
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from aiohttp import web
 from glm5.errors import CapacityError, DeadlineError, InvalidRequestError, UnavailableError
@@ -31,7 +34,9 @@ log = logging.getLogger(__name__)
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
 MAX_BODY = 32 << 20
+MAX_CHOICES = 64  # `n`: each choice is a request of its own on the workers
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -94,9 +99,6 @@ def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default
 def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
     req = worker_pb2.GenerateRequest()
     s = req.sampling
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, "n: only 1 completion per request is supported", "invalid_request_error", "n")
     for key, field in (
         ("temperature", "temperature"),
         ("top_p", "top_p"),
@@ -149,11 +151,39 @@ def _thinking(body: dict[str, Any]) -> Thinking | None:
     return None
 
 
-def _usage(resp: worker_pb2.GenerateResponse) -> dict[str, Any]:
-    u = resp.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}  # fmt: skip
+def _usage(finals: list[worker_pb2.GenerateResponse]) -> dict[str, Any]:
+    """Usage of a request's choices: the prompt once (as OpenAI counts it), the completions summed."""
+    first = finals[0].usage
+    completion = sum(r.usage.completion_tokens for r in finals)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}  # fmt: skip
+
+
+def _choices(body: dict[str, Any]) -> int:
+    n: int = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n: must be in 1..{MAX_CHOICES}, got {n}", "invalid_request_error", "n")
+    return n
+
+
+class _TextChoice:
+    """Per-choice state of a completions response: the raw-text reconstruction and logprob offsets."""
+
+    def __init__(self, index: int, in_reasoning: bool, echo: str) -> None:
+        self.index, self.thinking, self.offset, self.pending = index, in_reasoning, 0, echo
+
+    def text(self, d: Delta) -> str:
+        """The generated text as the model wrote it: the parser's reasoning back inside its tags (an echoed
+        prompt first)."""
+        out, self.pending = self.pending, ""
+        if d.reasoning:
+            out += "" if self.thinking else THINK_OPEN
+            out, self.thinking = out + d.reasoning, True
+        if d.content:
+            out += THINK_CLOSE if self.thinking else ""
+            out, self.thinking = out + d.content, False
+        return out
 
 
 def _tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
@@ -261,11 +291,25 @@ class OpenAIServer:
         rid = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex}"
         return GenerateInput(base=base, request_id=rid, session_id=session, thinking=_thinking(body))
 
+    def _fan_out(self, inp: GenerateInput, n: int) -> list[GenerateInput]:
+        """One input per choice: ids `<id>-<i>`, a seeded request's seed + i (choices differ, reproducibly)."""
+        if n == 1:
+            return [inp]
+        out = []
+        for i in range(n):
+            base = worker_pb2.GenerateRequest()
+            base.CopyFrom(inp.base)
+            if base.sampling.HasField("seed"):
+                base.sampling.seed = (base.sampling.seed + i) % 2**64
+            out.append(dataclasses.replace(inp, base=base, request_id=f"{inp.request_id}-{i}"))
+        return out
+
     # -- /v1/completions ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         base = _sampling(body)
+        n = _choices(body)
         logprobs = _get(body, "logprobs", int)
         if logprobs is not None:
             base.return_logprobs, base.top_logprobs = True, logprobs
@@ -284,78 +328,66 @@ class OpenAIServer:
         else:
             raise ApiError(400, "prompt: a string or a list of token ids (one prompt per request)",
                            "invalid_request_error", "prompt")  # fmt: skip
-        job, in_reasoning, _ = self.frontend.build(inp)
-        stream = self.frontend.stream(job, in_reasoning, None, inp.session_id)
+        built = [self.frontend.build(x) for x in self._fan_out(inp, n)]
+        streams = [self.frontend.stream(job, in_reasoning, None, inp.session_id) for job, in_reasoning, _ in built]
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
         tok = self.frontend.tokenizer
-        prompt_ids = list(job.request.prompt_token_ids)
+        prompt_ids = list(built[0][0].request.prompt_token_ids)
         prompt_text = (inp.prompt or tok.decode(prompt_ids)) if echo else ""
-        offset = 0  # characters of text sent so far, for logprobs.text_offset
-        thinking = in_reasoning
+        choices = [_TextChoice(i, in_reasoning, prompt_text) for i, (_, in_reasoning, _) in enumerate(built)]
 
-        def raw(d: Delta) -> str:
-            """The generated text as the model wrote it: the parser's reasoning back inside its tags."""
-            nonlocal thinking
-            out = ""
-            if d.reasoning:
-                out += "" if thinking else THINK_OPEN
-                out, thinking = out + d.reasoning, True
-            if d.content:
-                out += THINK_CLOSE if thinking else ""
-                out, thinking = out + d.content, False
-            return out
-
-        def chunk(text: str, finish: str | None, resp: worker_pb2.GenerateResponse | None) -> dict[str, Any]:
-            nonlocal offset
-            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            if resp is not None and base.return_logprobs:
+        def choice_json(c: _TextChoice, text: str, finish: str | None,
+                        resp: worker_pb2.GenerateResponse) -> dict[str, Any]:  # fmt: skip
+            out: dict[str, Any] = {"index": c.index, "text": text, "finish_reason": finish, "logprobs": None}
+            if base.return_logprobs:
                 lps: list[common_pb2.TokenLogprob | None] = list(resp.logprobs)
                 ids = [lp.token_id for lp in resp.logprobs]
                 if base.return_prompt_logprobs and resp.prompt_logprobs:  # the echoed prompt comes first
                     lps, ids = [None, *resp.prompt_logprobs, *lps], prompt_ids + ids
-                choice["logprobs"] = _completion_logprobs(tok, lps, ids, offset)
-            offset += len(text)
-            return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+                out["logprobs"] = _completion_logprobs(tok, lps, ids, c.offset)
+            c.offset += len(text)
+            return out
 
+        head = {"id": cid, "object": "text_completion", "created": created, "model": model}
         if _get(body, "stream", bool, False):
-            stream = await _primed(stream)
+            streams = await _primed_all(streams)
             sse = await self._start_sse(request)
-            usage, first = None, True
+            finals: list[worker_pb2.GenerateResponse] = []
             try:
-                async for d in stream:
+                async for i, d in _merged(streams):
                     finish = FINISH.get(d.response.finish_reason)
-                    text = raw(d)
-                    if first:
-                        text, first = prompt_text + text, False
+                    text = choices[i].text(d)
                     if text or finish:
-                        await _send(sse, chunk(text, finish, d.response))
+                        await _send(sse, {**head, "choices": [choice_json(choices[i], text, finish, d.response)]})
                     if finish:
-                        usage = _usage(d.response)
-                if usage and (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(sse, {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                      "choices": [], "usage": usage})  # fmt: skip
+                        finals.append(d.response)
+                if finals and (body.get("stream_options") or {}).get("include_usage"):
+                    await _send(sse, {**head, "choices": [], "usage": _usage(finals)})
             except Exception as exc:
                 await _send(sse, to_api_error(exc).body())
             await sse.write(b"data: [DONE]\n\n")
             return sse
-        parts, last = [prompt_text], None
-        merged = worker_pb2.GenerateResponse()
-        async for d in stream:
-            parts.append(raw(d))
-            merged.logprobs.extend(d.response.logprobs)
-            if d.response.prompt_logprobs and not merged.prompt_logprobs:
-                merged.prompt_logprobs.extend(d.response.prompt_logprobs)
-            last = d.response
-        assert last is not None
-        out = chunk("".join(parts), FINISH.get(last.finish_reason), merged)
-        out["usage"] = _usage(last)
-        return web.json_response(out)
+
+        async def collect(c: _TextChoice, stream: AsyncIterator[Delta]) -> tuple[dict[str, Any], Any]:
+            parts, merged, last = [], worker_pb2.GenerateResponse(), None
+            async for d in stream:
+                parts.append(c.text(d))
+                merged.logprobs.extend(d.response.logprobs)
+                if d.response.prompt_logprobs and not merged.prompt_logprobs:
+                    merged.prompt_logprobs.extend(d.response.prompt_logprobs)
+                last = d.response
+            assert last is not None
+            return choice_json(c, "".join(parts), FINISH.get(last.finish_reason), merged), last
+
+        done = await _all([collect(c, s) for c, s in zip(choices, streams, strict=True)])
+        return web.json_response({**head, "choices": [c for c, _ in done], "usage": _usage([r for _, r in done])})
 
     # -- /v1/chat/completions -------------------------------------------------------------------------
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         base = _sampling(body)
+        n = _choices(body)
         if _get(body, "logprobs", bool, False):
             base.return_logprobs = True
             base.top_logprobs = _get(body, "top_logprobs", int, 0)
@@ -373,19 +405,27 @@ class OpenAIServer:
                 400, "tool_choice: only 'auto' and 'none' are supported", "invalid_request_error", "tool_choice"
             )
         inp.tools = tools if choice_mode == "auto" else None
-        job, in_reasoning, registry = self.frontend.build(inp)
-        stream = self.frontend.stream(job, in_reasoning, registry, inp.session_id, operation="chat")
+        built = [self.frontend.build(x) for x in self._fan_out(inp, n)]
+        streams = [
+            self.frontend.stream(job, in_reasoning, registry, inp.session_id, operation="chat")
+            for job, in_reasoning, registry in built
+        ]
         cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
-        head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+        tok = self.frontend.tokenizer
+
+        def lp_json(lps: list[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
+            return _chat_logprobs(tok, lps) if base.return_logprobs else None
 
         if _get(body, "stream", bool, False):
-            stream = await _primed(stream)
+            head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+            streams = await _primed_all(streams)
             sse = await self._start_sse(request)
-            await _send(sse, {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "finish_reason": None}]})  # fmt: skip
-            n_calls, usage = 0, None
+            for i in range(n):
+                await _send(sse, {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                       "finish_reason": None}]})  # fmt: skip
+            n_calls, finals = [0] * n, []
             try:
-                async for d in stream:
+                async for i, d in _merged(streams):
                     delta: dict[str, Any] = {}
                     if d.reasoning:
                         delta["reasoning_content"] = d.reasoning
@@ -394,51 +434,52 @@ class OpenAIServer:
                     calls = [r for r in d.tool_results if isinstance(r, ToolCall)]
                     errors = [r for r in d.tool_results if isinstance(r, ToolCallError)]
                     if calls:
-                        delta["tool_calls"] = [_tool_call_json(c, n_calls + i) for i, c in enumerate(calls)]
-                        n_calls += len(calls)
+                        delta["tool_calls"] = [_tool_call_json(c, n_calls[i] + k) for k, c in enumerate(calls)]
+                        n_calls[i] += len(calls)
                     if errors:
                         delta["tool_call_errors"] = [{"name": e.name, "error": e.error} for e in errors]
                     finish = FINISH.get(d.response.finish_reason)
-                    if finish == "stop" and n_calls:
+                    if finish == "stop" and n_calls[i]:
                         finish = "tool_calls"
-                    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+                    choice = {"index": i, "delta": delta, "finish_reason": finish}
                     if base.return_logprobs:
-                        choice["logprobs"] = _chat_logprobs(self.frontend.tokenizer, list(d.response.logprobs))
+                        choice["logprobs"] = lp_json(list(d.response.logprobs))
                     if delta or finish or (base.return_logprobs and d.response.logprobs):
                         await _send(sse, {**head, "choices": [choice]})
                     if finish:
-                        usage = _usage(d.response)
-                if usage and (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(sse, {**head, "choices": [], "usage": usage})
+                        finals.append(d.response)
+                if finals and (body.get("stream_options") or {}).get("include_usage"):
+                    await _send(sse, {**head, "choices": [], "usage": _usage(finals)})
             except Exception as exc:
                 await _send(sse, to_api_error(exc).body())
             await sse.write(b"data: [DONE]\n\n")
             return sse
 
-        reasoning, content, calls, errors, last = [], [], [], [], None
-        lps: list[common_pb2.TokenLogprob] = []
-        async for d in stream:
-            lps += d.response.logprobs
-            reasoning.append(d.reasoning)
-            content.append(d.content)
-            calls += [r for r in d.tool_results if isinstance(r, ToolCall)]
-            errors += [r for r in d.tool_results if isinstance(r, ToolCallError)]
-            last = d.response
-        assert last is not None
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else ""),
-                                   "reasoning_content": "".join(reasoning) or None}  # fmt: skip
-        if calls:
-            message["tool_calls"] = [_tool_call_json(c) for c in calls]
-        if errors:
-            message["tool_call_errors"] = [{"name": e.name, "error": e.error} for e in errors]
-        finish = FINISH.get(last.finish_reason)
-        if finish == "stop" and calls:
-            finish = "tool_calls"
-        logprobs = _chat_logprobs(self.frontend.tokenizer, lps) if base.return_logprobs else None
+        async def collect(i: int, stream: AsyncIterator[Delta]) -> tuple[dict[str, Any], Any]:
+            reasoning, content, calls, errors, last = [], [], [], [], None
+            lps: list[common_pb2.TokenLogprob] = []
+            async for d in stream:
+                lps += d.response.logprobs
+                reasoning.append(d.reasoning)
+                content.append(d.content)
+                calls += [r for r in d.tool_results if isinstance(r, ToolCall)]
+                errors += [r for r in d.tool_results if isinstance(r, ToolCallError)]
+                last = d.response
+            assert last is not None
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else ""),
+                                       "reasoning_content": "".join(reasoning) or None}  # fmt: skip
+            if calls:
+                message["tool_calls"] = [_tool_call_json(c) for c in calls]
+            if errors:
+                message["tool_call_errors"] = [{"name": e.name, "error": e.error} for e in errors]
+            finish = FINISH.get(last.finish_reason)
+            if finish == "stop" and calls:
+                finish = "tool_calls"
+            return {"index": i, "message": message, "finish_reason": finish, "logprobs": lp_json(lps)}, last
+
+        done = await _all([collect(i, s) for i, s in enumerate(streams)])
         return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                                  "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                                               "logprobs": logprobs}],
-                                  "usage": _usage(last)})  # fmt: skip
+                                  "choices": [c for c, _ in done], "usage": _usage([r for _, r in done])})  # fmt: skip
 
     async def _start_sse(self, request: web.Request) -> web.StreamResponse:
         sse = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -448,6 +489,66 @@ class OpenAIServer:
 
 async def _send(sse: web.StreamResponse, payload: dict[str, Any]) -> None:
     await sse.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Runs a request's choices together; one failing cancels the others (their workers stop generating)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) as each choice's deltas arrive; the first error ends them all."""
+    if len(streams) == 1:
+        async for d in streams[0]:
+            yield 0, d
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in stream:
+                await queue.put((i, d))
+            await queue.put((i, None))
+        except Exception as exc:
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _primed_all(streams: list[AsyncIterator[Delta]]) -> list[AsyncIterator[Delta]]:
+    """_primed for every choice at once; if one fails before its first delta, the others are closed."""
+    if len(streams) == 1:
+        return [await _primed(streams[0])]
+    tasks = [asyncio.ensure_future(_primed(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()  # type: ignore[attr-defined]  # an async generator: its request is cancelled
+        raise
 
 
 async def _primed(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
