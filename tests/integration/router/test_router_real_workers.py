@@ -149,6 +149,17 @@ def test_openai_n_choices(stack: dict[str, Any]) -> None:
     completions = client.completions.create(model="glm5-tiny", prompt="1 2", max_tokens=4, n=2, echo=True, seed=3)
     assert [c.index for c in completions.choices] == [0, 1]
     assert all(c.text.startswith("1 2") for c in completions.choices)
+    # a batch of prompts: choice index = prompt index * n + choice; each prompt counted once in the usage
+    prompts: list[Any] = ["1 2", [16, 17, 18]]
+    greedy: dict[str, Any] = dict(model="glm5-tiny", max_tokens=3, echo=True, temperature=0)
+    batch = client.completions.create(prompt=prompts, n=2, **greedy)
+    alone = [client.completions.create(prompt=p, **greedy) for p in prompts]
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage is not None and alone[0].usage is not None and alone[1].usage is not None
+    assert batch.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="prompts x n"):
+        client.completions.create(model="glm5-tiny", prompt=["1"] * 9, max_tokens=1, n=8)
     for bad in (0, 65):
         with pytest.raises(openai.BadRequestError, match="n: must be in 1..64"):
             client.completions.create(model="glm5-tiny", prompt="1 2", max_tokens=4, n=bad)

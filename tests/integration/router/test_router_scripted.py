@@ -157,7 +157,19 @@ def test_mid_stream_failure_ends_with_an_error_not_a_duplicate(client: openai.Op
     assert "".join(seen) == " token token"  # what was sent is not sent again
 
 
-def test_a_failing_choice_ends_the_request_with_one_error(client: openai.OpenAI) -> None:
+def _await_closed_breakers(stack: dict[str, Any], client: openai.OpenAI) -> None:
+    """Leave the shared stack as later tests expect it: failures above may have opened a breaker, and the
+    calls of this test must leave the breakers' window (5 s, see `stack`) before the next test counts its own."""
+    deadline = time.monotonic() + 20
+    while any(w["breaker"] != "closed" for w in _health(stack)["workers"]):
+        if time.monotonic() > deadline:
+            pytest.fail(f"breakers did not close: {_health(stack)}")
+        client.completions.create(model="glm5-scripted", prompt="probe", max_tokens=1)
+        time.sleep(0.1)
+    time.sleep(5.1)
+
+
+def test_a_failing_choice_ends_the_request_with_one_error(stack: dict[str, Any], client: openai.OpenAI) -> None:
     seen: dict[int, str] = {}
     user = [{"role": "user", "content": "FAIL_AFTER"}]
     with pytest.raises(openai.APIError, match="mid-stream"):
@@ -169,6 +181,7 @@ def test_a_failing_choice_ends_the_request_with_one_error(client: openai.OpenAI)
         client.chat.completions.create(model="glm5-scripted", messages=user, n=2)  # type: ignore[arg-type]
     ok = client.completions.create(model="glm5-scripted", prompt="fine", max_tokens=2, n=2)
     assert [c.text for c in ok.choices] == [" token token"] * 2
+    _await_closed_breakers(stack, client)
 
 
 def test_client_errors_are_4xx_and_the_router_keeps_serving(stack: dict[str, Any], client: openai.OpenAI) -> None:

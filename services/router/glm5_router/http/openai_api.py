@@ -151,13 +151,28 @@ def _thinking(body: dict[str, Any]) -> Thinking | None:
     return None
 
 
-def _usage(finals: list[worker_pb2.GenerateResponse]) -> dict[str, Any]:
-    """Usage of a request's choices: the prompt once (as OpenAI counts it), the completions summed."""
-    first = finals[0].usage
-    completion = sum(r.usage.completion_tokens for r in finals)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.cached_prompt_tokens}}  # fmt: skip
+def _usage(finals: dict[int, worker_pb2.GenerateResponse], n: int) -> dict[str, Any]:
+    """Usage of a request's choices (by index, n per prompt): each prompt once, as OpenAI counts it, and the
+    completions summed."""
+    firsts = [r.usage for i, r in finals.items() if i % n == 0]
+    prompt = sum(u.prompt_tokens for u in firsts)
+    completion = sum(r.usage.completion_tokens for r in finals.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in firsts)}}  # fmt: skip
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's `prompt`: a string, a list of token ids, or a list of either (a batch)."""
+
+    def is_ids(x: Any) -> bool:
+        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(prompt, str) or is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
+        return list(prompt)
+    raise ApiError(400, "prompt: a string, a list of token ids, or a non-empty list of either",
+                   "invalid_request_error", "prompt")  # fmt: skip
 
 
 def _choices(body: dict[str, Any]) -> int:
@@ -170,8 +185,9 @@ def _choices(body: dict[str, Any]) -> int:
 class _TextChoice:
     """Per-choice state of a completions response: the raw-text reconstruction and logprob offsets."""
 
-    def __init__(self, index: int, in_reasoning: bool, echo: str) -> None:
+    def __init__(self, index: int, in_reasoning: bool, echo: str, prompt_ids: list[int]) -> None:
         self.index, self.thinking, self.offset, self.pending = index, in_reasoning, 0, echo
+        self.prompt_ids = prompt_ids
 
     def text(self, d: Delta) -> str:
         """The generated text as the model wrote it: the parser's reasoning back inside its tags (an echoed
@@ -316,25 +332,26 @@ class OpenAIServer:
         echo = _get(body, "echo", bool, False)
         base.return_prompt_logprobs = echo and base.return_logprobs
         inp = self._input(request, body, base)
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            inp.prompt = prompt
-        elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            inp.prompt_token_ids = prompt
-        elif isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            inp.prompt = prompt[0]
-        else:
-            raise ApiError(400, "prompt: a string or a list of token ids (one prompt per request)",
+        prompts = _prompts(body.get("prompt"))
+        if len(prompts) * n > MAX_CHOICES:
+            raise ApiError(400, f"prompt: {len(prompts)} prompts x n={n} choices is more than {MAX_CHOICES}",
                            "invalid_request_error", "prompt")  # fmt: skip
-        built = [self.frontend.build(x) for x in self._fan_out(inp, n)]
+        inputs = []
+        for k, prompt in enumerate(prompts):
+            one = dataclasses.replace(inp, request_id=f"{inp.request_id}-p{k}" if len(prompts) > 1 else inp.request_id)
+            if isinstance(prompt, str):
+                one.prompt = prompt
+            else:
+                one.prompt_token_ids = prompt
+            inputs += self._fan_out(one, n)
+        built = [self.frontend.build(x) for x in inputs]  # choice index = prompt index * n + choice, as OpenAI's
         streams = [self.frontend.stream(job, in_reasoning, None, inp.session_id) for job, in_reasoning, _ in built]
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
         tok = self.frontend.tokenizer
-        prompt_ids = list(built[0][0].request.prompt_token_ids)
-        prompt_text = (inp.prompt or tok.decode(prompt_ids)) if echo else ""
-        choices = [_TextChoice(i, in_reasoning, prompt_text) for i, (_, in_reasoning, _) in enumerate(built)]
+        choices = []
+        for i, ((job, in_reasoning, _), one) in enumerate(zip(built, inputs, strict=True)):
+            ids = list(job.request.prompt_token_ids)
+            choices.append(_TextChoice(i, in_reasoning, (one.prompt or tok.decode(ids)) if echo else "", ids))
 
         def choice_json(c: _TextChoice, text: str, finish: str | None,
                         resp: worker_pb2.GenerateResponse) -> dict[str, Any]:  # fmt: skip
@@ -343,7 +360,7 @@ class OpenAIServer:
                 lps: list[common_pb2.TokenLogprob | None] = list(resp.logprobs)
                 ids = [lp.token_id for lp in resp.logprobs]
                 if base.return_prompt_logprobs and resp.prompt_logprobs:  # the echoed prompt comes first
-                    lps, ids = [None, *resp.prompt_logprobs, *lps], prompt_ids + ids
+                    lps, ids = [None, *resp.prompt_logprobs, *lps], c.prompt_ids + ids
                 out["logprobs"] = _completion_logprobs(tok, lps, ids, c.offset)
             c.offset += len(text)
             return out
@@ -352,7 +369,7 @@ class OpenAIServer:
         if _get(body, "stream", bool, False):
             streams = await _primed_all(streams)
             sse = await self._start_sse(request)
-            finals: list[worker_pb2.GenerateResponse] = []
+            finals: dict[int, worker_pb2.GenerateResponse] = {}
             try:
                 async for i, d in _merged(streams):
                     finish = FINISH.get(d.response.finish_reason)
@@ -360,9 +377,9 @@ class OpenAIServer:
                     if text or finish:
                         await _send(sse, {**head, "choices": [choice_json(choices[i], text, finish, d.response)]})
                     if finish:
-                        finals.append(d.response)
-                if finals and (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(sse, {**head, "choices": [], "usage": _usage(finals)})
+                        finals[i] = d.response
+                if len(finals) == len(streams) and (body.get("stream_options") or {}).get("include_usage"):
+                    await _send(sse, {**head, "choices": [], "usage": _usage(finals, n)})
             except Exception as exc:
                 await _send(sse, to_api_error(exc).body())
             await sse.write(b"data: [DONE]\n\n")
@@ -380,7 +397,8 @@ class OpenAIServer:
             return choice_json(c, "".join(parts), FINISH.get(last.finish_reason), merged), last
 
         done = await _all([collect(c, s) for c, s in zip(choices, streams, strict=True)])
-        return web.json_response({**head, "choices": [c for c, _ in done], "usage": _usage([r for _, r in done])})
+        usage = _usage({i: r for i, (_, r) in enumerate(done)}, n)
+        return web.json_response({**head, "choices": [c for c, _ in done], "usage": usage})
 
     # -- /v1/chat/completions -------------------------------------------------------------------------
 
@@ -423,7 +441,7 @@ class OpenAIServer:
             for i in range(n):
                 await _send(sse, {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                        "finish_reason": None}]})  # fmt: skip
-            n_calls, finals = [0] * n, []
+            n_calls, finals = [0] * n, {}
             try:
                 async for i, d in _merged(streams):
                     delta: dict[str, Any] = {}
@@ -447,9 +465,9 @@ class OpenAIServer:
                     if delta or finish or (base.return_logprobs and d.response.logprobs):
                         await _send(sse, {**head, "choices": [choice]})
                     if finish:
-                        finals.append(d.response)
-                if finals and (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(sse, {**head, "choices": [], "usage": _usage(finals)})
+                        finals[i] = d.response
+                if len(finals) == len(streams) and (body.get("stream_options") or {}).get("include_usage"):
+                    await _send(sse, {**head, "choices": [], "usage": _usage(finals, n)})
             except Exception as exc:
                 await _send(sse, to_api_error(exc).body())
             await sse.write(b"data: [DONE]\n\n")
@@ -478,8 +496,9 @@ class OpenAIServer:
             return {"index": i, "message": message, "finish_reason": finish, "logprobs": lp_json(lps)}, last
 
         done = await _all([collect(i, s) for i, s in enumerate(streams)])
+        usage = _usage({i: r for i, (_, r) in enumerate(done)}, n)
         return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                                  "choices": [c for c, _ in done], "usage": _usage([r for _, r in done])})  # fmt: skip
+                                  "choices": [c for c, _ in done], "usage": usage})  # fmt: skip
 
     async def _start_sse(self, request: web.Request) -> web.StreamResponse:
         sse = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
