@@ -137,6 +137,12 @@ class Frontend:
 
     def build(self, inp: GenerateInput) -> tuple[Job, bool, ToolRegistry | None]:
         """The job, whether the output starts inside <think>, and the tool registry of a chat request."""
+        ids, text, thinking, registry = self.encode(inp)
+        return self._job(inp, ids, thinking), text.rstrip().endswith(THINK_OPEN), registry
+
+    def encode(self, inp: GenerateInput) -> tuple[list[int], str, Thinking, ToolRegistry | None]:
+        """The prompt's token ids, its text (chat template applied; "" for token ids), the thinking mode and
+        the tool registry of a chat request."""
         tok = self.tokenizer
         registry: ToolRegistry | None = None
         thinking: Thinking = "off"
@@ -167,7 +173,9 @@ class Frontend:
             raise InvalidRequestError("prompt", "give a prompt, prompt_token_ids or messages")
         if not ids:
             raise InvalidRequestError("prompt", "the prompt is empty after tokenisation")
+        return ids, text, thinking, registry
 
+    def _job(self, inp: GenerateInput, ids: list[int], thinking: Thinking) -> Job:
         s = inp.base.sampling
         max_new = s.max_new_tokens if s.HasField("max_new_tokens") else self.config.default_max_new_tokens
         if max_new < 1:
@@ -190,10 +198,9 @@ class Frontend:
         job = Job(request.request_id, request, len(ids), max_new, lane, time.monotonic() + timeout, affinity)
         if self.max_model_len:
             validate_job_fits(job, self.max_model_len)
-        in_reasoning = text.rstrip().endswith(THINK_OPEN)
         if thinking == "light":
             job.reasoning_budget = self.config.light_thinking_budget
-        return job, in_reasoning, registry
+        return job
 
     def _lane(self, prompt_tokens: int) -> Lane:
         if prompt_tokens < self.config.short_max_prompt_tokens:

@@ -184,6 +184,28 @@ def test_a_failing_choice_ends_the_request_with_one_error(stack: dict[str, Any],
     _await_closed_breakers(stack, client)
 
 
+def test_tokenize_and_detokenize(stack: dict[str, Any], client: openai.OpenAI) -> None:
+    root = stack["base"].removesuffix("/v1")
+    status, body, _ = _post(root + "/tokenize", {"prompt": "hello world 12"})
+    assert status == 200 and body["count"] == len(body["tokens"]) > 0
+    status, back, _ = _post(root + "/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == "hello world 12"
+    # chat messages: exactly the prompt a chat request sends (its usage counts the same tokens)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2 + 2?"}]
+    status, chat_ids, _ = _post(root + "/tokenize", {"messages": messages, "thinking": {"type": "disabled"}})
+    reply = client.chat.completions.create(model="glm5-scripted", messages=messages, max_tokens=1,  # type: ignore[arg-type]
+                                           extra_body={"thinking": {"type": "disabled"}})  # fmt: skip
+    assert status == 200 and reply.usage is not None and reply.usage.prompt_tokens == chat_ids["count"]
+    for path, payload, param in (
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"messages": "hi"}, "messages"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ):
+        status, err, _ = _post(root + path, payload)
+        assert status == 400 and err["error"]["param"] == param, (path, err)
+
+
 def test_client_errors_are_4xx_and_the_router_keeps_serving(stack: dict[str, Any], client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])

@@ -258,6 +258,8 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -278,6 +280,36 @@ class OpenAIServer:
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.frontend.dispatcher.telemetry.exposition()
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's: `prompt` or chat `messages` (with `tools` and the thinking fields, applied as the chat endpoint
+        applies them) -> the token ids a generation request would send to the workers."""
+        body = await self._body(request)
+        base = worker_pb2.GenerateRequest(add_special_tokens=_get(body, "add_special_tokens", bool, False))
+        inp = self._input(request, body, base)
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise ApiError(400, "messages: a list of messages", "invalid_request_error", "messages")
+            inp.messages, inp.tools = messages, _get(body, "tools", list)
+        else:
+            inp.prompt = _get(body, "prompt", str)
+            if inp.prompt is None:
+                raise ApiError(400, "prompt: required (or messages)", "invalid_request_error", "prompt")
+        ids = self.frontend.encode(inp)[0]
+        return web.json_response({"count": len(ids), "max_model_len": self.frontend.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens")
+        tok = self.frontend.tokenizer
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError(400, "tokens: a list of token ids", "invalid_request_error", "tokens")
+        bad = next((t for t in tokens if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
+                           "invalid_request_error", "tokens")  # fmt: skip
+        return web.json_response({"prompt": tok.decode(tokens)})
 
     async def models(self, request: web.Request) -> web.Response:
         f = self.frontend
