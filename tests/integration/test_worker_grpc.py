@@ -117,6 +117,8 @@ def test_health_serving(worker: str) -> None:
         (dict(prompt="hi", sampling=sampling(top_p=1.01)), "top_p"),
         (dict(prompt="hi", sampling=sampling(presence_penalty=3.0)), "presence_penalty"),
         (dict(prompt="hi", sampling=sampling(frequency_penalty=-2.5)), "frequency_penalty"),
+        (dict(prompt="hi", sampling=sampling(logit_bias={10**6: 1.0})), "logit_bias"),
+        (dict(prompt="hi", sampling=sampling(logit_bias={5: -150.0})), "logit_bias"),
         (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
         (dict(prompt="hi", top_logprobs=50), "top_logprobs"),
         (dict(prompt="hi", stream_interval=-1), "stream_interval"),

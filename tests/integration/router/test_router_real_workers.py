@@ -4,9 +4,11 @@ official client, sealed SM4-GCM gRPC requests, and a worker killed under load.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,22 @@ def test_openai_penalties_reach_the_sampler(stack: dict[str, Any]) -> None:
     assert max(penalised.count(t) for t in set(penalised)) < plain.count(most)
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         tokens(frequency_penalty=2.5)
+    # logit_bias: +100 forces a token the model would not pick, -100 bans the one it would
+    forced = tokens(logit_bias={"16": 100})
+    assert len(set(forced)) == 1 and forced[0] not in plain
+    banned = _token_ids(stack["base"], most)
+    assert len(banned) == 1 and most not in tokens(logit_bias={str(banned[0]): -100})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        tokens(logit_bias={"sixteen": 1})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        tokens(logit_bias={"16": 101})
+
+
+def _token_ids(base: str, text: str) -> list[int]:
+    request = urllib.request.Request(base.removesuffix("/v1") + "/tokenize", data=json.dumps({"prompt": text}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return list(json.load(response)["tokens"])
 
 
 def test_openai_n_choices(stack: dict[str, Any]) -> None:

@@ -60,6 +60,19 @@ def test_presence_and_frequency_penalties_are_openais_over_generated_tokens() ->
     assert sampler._penalise(logits, [seq(presence_penalty=1.0)]) is logits  # nothing generated yet: no copy
 
 
+def test_logit_bias_forces_or_bans_tokens_and_leaves_logprobs_raw() -> None:
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, 0.5]])
+    sampler = Sampler(0, torch.device("cpu"))
+    forced = seq(temperature=0.0, logprobs=True, logit_bias={4: 100.0})
+    out = sampler.sample(logits, [forced])[0]
+    assert out.token_id == 4 and abs(out.logprob - float(torch.log_softmax(logits, -1)[0, 4])) < 1e-6
+    assert sampler.sample(logits, [seq(temperature=0.0, logit_bias={1: -100.0})])[0].token_id == 2
+    # sampled rows: a banned token is never drawn, a forced one always is
+    assert all(sampler.sample(logits, [seq(seed=i, logit_bias={0: 100.0})])[0].token_id == 0 for i in range(20))
+    draws = {sampler.sample(logits, [seq(seed=i, logit_bias={1: -100.0, 2: -100.0})])[0].token_id for i in range(50)}
+    assert draws and not draws & {1, 2}
+
+
 def test_seed_fixes_the_draw() -> None:
     logits = torch.randn(1, 50)
     sampler = Sampler(0, torch.device("cpu"))

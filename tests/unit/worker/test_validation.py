@@ -9,6 +9,7 @@ from glm5_worker.engine.validation import Limits, validate_params, validate_prom
 
 ASCEND = Limits(vocab_size=100, max_model_len=1024, is_ascend=True, ascend_temperature_floor=0.35)
 CPU = Limits(vocab_size=100, max_model_len=1024, is_ascend=False, ascend_temperature_floor=0.35)
+BIG_VOCAB = Limits(vocab_size=2000, max_model_len=1024, is_ascend=False, ascend_temperature_floor=0.35)
 
 
 def test_ascend_raises_low_temperatures_to_the_floor_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -30,6 +31,17 @@ def test_penalties_are_bounded_like_openais() -> None:
             with pytest.raises(InvalidRequestError) as err:
                 validate_params(SamplingParams(**{name: bad}), 5, CPU)
             assert err.value.field == f"sampling.{name}"
+
+
+def test_logit_bias_rules() -> None:
+    assert validate_params(SamplingParams(logit_bias={5: -100.0, 99: 100.0}), 5, CPU).logit_bias == {
+        5: -100.0,
+        99: 100.0,
+    }
+    for bias in ({100: 1.0}, {-1: 1.0}, {5: 100.5}, {5: float("nan")}, {i: 1.0 for i in range(1025)}):
+        with pytest.raises(InvalidRequestError) as err:
+            validate_params(SamplingParams(logit_bias=bias), 5, BIG_VOCAB if len(bias) > 1 else CPU)
+        assert err.value.field == "sampling.logit_bias"
 
 
 def test_prompt_rules() -> None:

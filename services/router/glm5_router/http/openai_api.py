@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP: GET /v1/models, POST /v1/completions and /v1/chat/completions (`stream: true` as
 server-sent events, `reasoning_content` deltas, `tools` / `tool_calls`, usage), /health.
 
-`n` choices, logprobs, echo and the presence / frequency penalties as OpenAI defines them. Extensions:
+`n` choices, logprobs, echo, `logit_bias` and the presence / frequency penalties as OpenAI defines them. Extensions:
 `top_k`, `repetition_penalty`; thinking per request through `thinking: {"type": "enabled" | "disabled"}`
 (GLM API), `chat_template_kwargs: {"enable_thinking": bool}` (vLLM) or `reasoning_effort` ("low" -> light,
 "medium"/"high" -> deep); a session id in the `X-Session-Id` header (or `user`) for affinity and preserved
@@ -125,6 +125,18 @@ def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
         s.stop.extend(stop)
     elif stop is not None:
         raise ApiError(400, "stop: expected a string or a list of strings", "invalid_request_error", "stop")
+    bias = _get(body, "logit_bias", dict, {})
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: keys are token ids, got {key!r}", "invalid_request_error",
+                           "logit_bias") from None  # fmt: skip
+        if not 0 <= token < 2**31:
+            raise ApiError(400, f"logit_bias: token id {token} is out of range", "invalid_request_error", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ApiError(400, f"logit_bias: values are numbers, got {value!r}", "invalid_request_error", "logit_bias")
+        s.logit_bias[token] = float(value)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise ApiError(400, "response_format: only {'type': 'text'} is supported (no constrained decoding)",

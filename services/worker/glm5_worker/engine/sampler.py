@@ -1,5 +1,5 @@
-"""Turns logits into tokens: penalties (repetition, presence, frequency), temperature, top-k, top-p, seeded
-sampling, logprobs.
+"""Turns logits into tokens: penalties (repetition, presence, frequency), logit bias, temperature, top-k, top-p,
+seeded sampling, logprobs.
 
 Logprobs are those of the raw distribution (log_softmax of the model's logits, temperature 1, before any
 filtering), which is what an RL trainer recomputes. A request with a seed draws from its own generator, so
@@ -79,6 +79,9 @@ class Sampler:
                     0, out, torch.ones(out.shape[0], device=logits.device)
                 )
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
         return logits
 
     def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -104,7 +107,7 @@ class Sampler:
 def _unpenalised(seq: Sequence) -> bool:
     p = seq.params
     no_output_penalty = not seq.output_ids or (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
-    return p.repetition_penalty == 1.0 and no_output_penalty
+    return p.repetition_penalty == 1.0 and no_output_penalty and not p.logit_bias
 
 
 def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -28,6 +28,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)

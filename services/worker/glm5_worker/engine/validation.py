@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_PENALTY = 2.0  # presence / frequency penalties, as OpenAI and vLLM bound them
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,13 @@ def validate_params(params: SamplingParams, num_prompt_tokens: int, limits: Limi
             raise InvalidRequestError(
                 f"sampling.{name}", f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}"
             )
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+    for token, bias in params.logit_bias.items():
+        if not 0 <= token < limits.vocab_size:
+            raise InvalidRequestError("sampling.logit_bias", f"token id {token} is outside the vocabulary")
+        if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError("sampling.logit_bias", f"token {token}: bias must be in [-100, 100], got {bias}")
     if params.max_new_tokens <= 0:
         raise InvalidRequestError("sampling.max_new_tokens", f"must be > 0, got {params.max_new_tokens}")
     if num_prompt_tokens + params.max_new_tokens > limits.max_model_len:

@@ -31,6 +31,7 @@ def sampling_from_proto(req: worker_pb2.GenerateRequest, default_max_new_tokens:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        logit_bias=dict(s.logit_bias),
         seed=s.seed if s.HasField("seed") else None,
         max_new_tokens=s.max_new_tokens if s.HasField("max_new_tokens") else default_max_new_tokens,
         stop=list(s.stop),
