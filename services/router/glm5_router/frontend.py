@@ -138,7 +138,15 @@ class Frontend:
     def build(self, inp: GenerateInput) -> tuple[Job, bool, ToolRegistry | None]:
         """The job, whether the output starts inside <think>, and the tool registry of a chat request."""
         ids, text, thinking, registry = self.encode(inp)
-        return self._job(inp, ids, thinking), text.rstrip().endswith(THINK_OPEN), registry
+        job = self._job(inp, ids, thinking)
+        in_reasoning = text.rstrip().endswith(THINK_OPEN)
+        if job.request.sampling.HasField("structured_output") and (thinking != "off" or in_reasoning):
+            # the format applies to the answer: thinking before it stays free
+            fmt = job.request.sampling.structured_output
+            fmt.think_open_token_id = self.tokenizer.encode(THINK_OPEN)[-1]
+            fmt.think_close_token_id = self.tokenizer.encode(THINK_CLOSE)[-1]
+            fmt.starts_thinking = in_reasoning
+        return job, in_reasoning, registry
 
     def encode(self, inp: GenerateInput) -> tuple[list[int], str, Thinking, ToolRegistry | None]:
         """The prompt's token ids, its text (chat template applied; "" for token ids), the thinking mode and
@@ -348,6 +356,9 @@ class Frontend:
         request.CopyFrom(job.request)
         request.prompt_token_ids.extend(generated + close)
         request.sampling.max_new_tokens = max(1, left)
+        # the answer starts now: the format from its first token
+        request.sampling.structured_output.ClearField("think_open_token_id")
+        request.sampling.structured_output.starts_thinking = False
         request.request_id = f"{job.id}-answer"
         cont = Job(request.request_id, request, job.prompt_tokens + len(generated) + len(close), max(1, left),
                    job.lane, job.deadline, job.affinity_key)  # fmt: skip

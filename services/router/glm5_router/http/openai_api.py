@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -137,11 +138,48 @@ def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ApiError(400, f"logit_bias: values are numbers, got {value!r}", "invalid_request_error", "logit_bias")
         s.logit_bias[token] = float(value)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError(400, "response_format: only {'type': 'text'} is supported (no constrained decoding)",
-                       "invalid_request_error", "response_format")  # fmt: skip
+    _structured_output(body, req.sampling)
     return req
+
+
+def _structured_output(body: dict[str, Any], s: common_pb2.SamplingParams) -> None:
+    """OpenAI's `response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex`,
+    `guided_choice`, `guided_grammar` (Lark, llguidance's dialect) -> SamplingParams.structured_output."""
+    given = [k for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if body.get(k) is not None]
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, "response_format: type must be text, json_object or json_schema",
+                           "invalid_request_error", "response_format")  # fmt: skip
+        if fmt["type"] != "text":
+            given.append("response_format")
+    if len(given) > 1:
+        raise ApiError(400, f"give one output format, got {', '.join(given)}", "invalid_request_error", given[1])
+    if not given:
+        return
+    key, value = given[0], body[given[0]]
+    so = s.structured_output
+    if key == "response_format" and value["type"] == "json_object":
+        so.json_object = True
+    elif key in ("response_format", "guided_json"):
+        schema = (value.get("json_schema") or {}).get("schema") if key == "response_format" else value
+        if isinstance(schema, str):
+            so.json_schema = schema
+        elif isinstance(schema, dict):
+            so.json_schema = json.dumps(schema)
+        else:
+            where = "response_format.json_schema.schema" if key == "response_format" else key
+            raise ApiError(400, f"{where}: a JSON Schema object is required", "invalid_request_error", key)
+    elif key == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise ApiError(400, "guided_choice: a non-empty list of strings", "invalid_request_error", key)
+        so.regex = "|".join(f"({re.escape(c)})" for c in value)
+    elif not isinstance(value, str):
+        raise ApiError(400, f"{key}: a string", "invalid_request_error", key)
+    elif key == "guided_regex":
+        so.regex = value
+    else:
+        so.lark_grammar = value
 
 
 def _thinking(body: dict[str, Any]) -> Thinking | None:

@@ -32,6 +32,7 @@ from glm5_worker.engine.sampler import Sampler, token_logprob
 from glm5_worker.engine.scheduler import ScheduledStep, Scheduler
 from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence, TokenLogprob
 from glm5_worker.engine.sparsity import SparsityController
+from glm5_worker.engine.structured import Grammars
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
 from glm5_worker.engine.weights import swap_in_place
 from glm5_worker.kv.block_manager import BlockManager, KVStats
@@ -123,6 +124,7 @@ class Engine:
             )
         self._init_kv()
         self.sampler = Sampler(config.seed, self.device)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.sparsity = SparsityController(
             self.model_config.num_hidden_layers,
             self.model_config.index_topk,
@@ -234,6 +236,9 @@ class Engine:
         )
         if params.seed is not None:
             seq.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        if params.output_format is not None:
+            seq.matcher = self.grammars.matcher(params.output_format)
+            seq.format_phase = params.output_format.first_phase
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -395,6 +400,7 @@ class Engine:
         if params.logprobs:
             seq.new_logprobs.append(pick)
         self.generated_tokens_total += 1
+        grammar_done = self._advance_format(seq, token)
         if not params.ignore_eos and token in self.eos_token_ids:
             seq.finish_reason, seq.stop_reason = FinishReason.STOP, self.tokenizer.id_to_token(token) or str(token)
         elif token in params.stop_token_ids:
@@ -403,10 +409,32 @@ class Engine:
             seq.pending_text += seq.detokenizer.add(token)
             if seq.detokenizer.stopped_by is not None:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, seq.detokenizer.stopped_by
+            elif grammar_done:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, "structured_output"
             elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
                 seq.finish_reason = FinishReason.LENGTH
         if seq.is_finished:
             seq.pending_text += seq.detokenizer.flush()
+
+    @staticmethod
+    def _advance_format(seq: Sequence, token: int) -> bool:
+        """Feeds a sampled token to the sequence's format; True once the format is complete."""
+        fmt, matcher = seq.params.output_format, seq.matcher
+        if matcher is None or fmt is None:
+            return False
+        if seq.format_phase == "thinking":
+            if token == fmt.think_close:
+                seq.format_phase = "format"
+            return False
+        if seq.format_phase == "start":
+            if token == fmt.think_open:
+                seq.format_phase = "thinking"
+                return False
+            seq.format_phase = "format"
+        if not matcher.consume_token(token):
+            log.warning("%s: structured output stopped: %s", seq.request_id, matcher.get_error())
+            return True
+        return matcher.is_stopped()
 
     def _drain(self, seq: Sequence) -> RequestOutput | None:
         pending_prompt = seq.params.prompt_logprobs and not seq.prompt_logprobs_sent and seq.output_ids

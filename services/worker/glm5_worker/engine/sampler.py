@@ -1,5 +1,5 @@
-"""Turns logits into tokens: penalties (repetition, presence, frequency), logit bias, temperature, top-k, top-p,
-seeded sampling, logprobs.
+"""Turns logits into tokens: penalties (repetition, presence, frequency), logit bias, structured-output masks,
+temperature, top-k, top-p, seeded sampling, logprobs.
 
 Logprobs are those of the raw distribution (log_softmax of the model's logits, temperature 1, before any
 filtering), which is what an RL trainer recomputes. A request with a seed draws from its own generator, so
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from glm5_worker.engine.sequence import Sequence, TokenLogprob
+from glm5_worker.engine.structured import allowed_tokens
 
 
 class Sampler:
@@ -23,7 +24,7 @@ class Sampler:
         logits = logits.float()
         need_lp = any(s.params.logprobs for s in seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
-        processed = self._penalise(logits, seqs)
+        processed = self._constrain(self._penalise(logits, seqs), seqs)
         greedy = [s.params.is_greedy for s in seqs]
         tokens: list[int] = []
         if all(greedy):
@@ -82,6 +83,24 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+        return logits
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Structured output: -inf for every token a constrained sequence's format does not allow next."""
+        rows = [i for i, s in enumerate(seqs) if s.matcher is not None and s.format_phase != "thinking"]
+        if not rows:
+            return logits
+        logits, vocab = logits.clone(), logits.shape[-1]
+        for i in rows:
+            seq = seqs[i]
+            assert seq.matcher is not None and seq.params.output_format is not None
+            allowed = allowed_tokens(seq.matcher, vocab).to(logits.device)
+            think_open = seq.params.output_format.think_open
+            if seq.format_phase == "start" and think_open is not None:
+                allowed[think_open] = True  # the output may open with a thinking block
+            if bool(allowed.any()):  # nothing allowed: the matcher failed; the engine ends the sequence
+                logits[i].masked_fill_(~allowed, float("-inf"))
         return logits
 
     def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 from glm5.tokenizer import IncrementalDetokenizer
+from llguidance import LLMatcher
+
+from glm5_worker.engine.structured import OutputFormat, Phase
 
 
 class FinishReason(enum.IntEnum):
@@ -29,6 +32,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    output_format: OutputFormat | None = None
     seed: int | None = None
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)
@@ -67,6 +71,9 @@ class Sequence:
     finish_reason: FinishReason = FinishReason.NONE
     stop_reason: str = ""
     generator: torch.Generator | None = None
+    # structured output: the format's matcher and where the output is relative to a thinking block
+    matcher: LLMatcher | None = None
+    format_phase: Phase = "start"
     # filled each step and drained by the engine into a RequestOutput
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -17,6 +17,7 @@ from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped
 from glm5_worker.engine.engine import RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
+from glm5_worker.engine.structured import OutputFormat
 from glm5_worker.engine.weights import read_checkpoint
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def sampling_from_proto(req: worker_pb2.GenerateRequest, default_max_new_tokens:
         presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
         logit_bias=dict(s.logit_bias),
+        output_format=_output_format(s.structured_output) if s.HasField("structured_output") else None,
         seed=s.seed if s.HasField("seed") else None,
         max_new_tokens=s.max_new_tokens if s.HasField("max_new_tokens") else default_max_new_tokens,
         stop=list(s.stop),
@@ -41,6 +43,22 @@ def sampling_from_proto(req: worker_pb2.GenerateRequest, default_max_new_tokens:
         top_logprobs=req.top_logprobs,
         prompt_logprobs=req.return_prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _output_format(so: common_pb2.StructuredOutput) -> OutputFormat:
+    kind = so.WhichOneof("format")
+    if kind is None:
+        raise InvalidRequestError(
+            "sampling.structured_output", "set one of json_schema, json_object, regex, lark_grammar"
+        )
+    spec = "" if kind == "json_object" else getattr(so, kind)
+    return OutputFormat(
+        kind,
+        spec,
+        think_open=so.think_open_token_id if so.HasField("think_open_token_id") else None,
+        think_close=so.think_close_token_id if so.HasField("think_close_token_id") else None,
+        starts_thinking=so.starts_thinking,
     )
 
 
