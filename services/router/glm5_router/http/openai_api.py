@@ -1,12 +1,13 @@
 """OpenAI-compatible HTTP: GET /v1/models, POST /v1/completions and /v1/chat/completions (`stream: true` as
 server-sent events, `reasoning_content` deltas, `tools` / `tool_calls`, usage), /health.
 
-`n` choices, logprobs, echo, `logit_bias` and the presence / frequency penalties as OpenAI defines them. Extensions:
-`top_k`, `repetition_penalty`; thinking per request through `thinking: {"type": "enabled" | "disabled"}`
-(GLM API), `chat_template_kwargs: {"enable_thinking": bool}` (vLLM) or `reasoning_effort` ("low" -> light,
+As OpenAI defines them: `n` choices, logprobs, echo, `logit_bias`, presence / frequency penalties and
+`response_format` (structured output; vLLM's `guided_*` fields too). Extensions: `top_k`,
+`repetition_penalty`; thinking per request through `thinking: {"type": "enabled" | "disabled"}` (GLM API),
+`chat_template_kwargs: {"enable_thinking": bool}` (vLLM) or `reasoning_effort` ("low" -> light,
 "medium"/"high" -> deep); a session id in the `X-Session-Id` header (or `user`) for affinity and preserved
-reasoning. A tool call the registry rejects is returned in
-`message.tool_call_errors` (never in `tool_calls`) and the finish reason stays "stop".
+reasoning. A tool call the registry rejects is returned in `message.tool_call_errors` (never in
+`tool_calls`) and the finish reason stays "stop". vLLM's POST /tokenize and /detokenize.
 """
 
 from __future__ import annotations
