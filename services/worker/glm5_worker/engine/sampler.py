@@ -91,16 +91,16 @@ class Sampler:
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None and s.format_phase != "thinking"]
         if not rows:
             return logits
-        logits, vocab = logits.clone(), logits.shape[-1]
-        for i in rows:
-            seq = seqs[i]
-            assert seq.matcher is not None and seq.params.output_format is not None
-            allowed = allowed_tokens(seq.matcher, vocab).to(logits.device)
-            think_open = seq.params.output_format.think_open
-            if seq.format_phase == "start" and think_open is not None:
-                allowed[think_open] = True  # the output may open with a thinking block
-            if bool(allowed.any()):  # nothing allowed: the matcher failed; the engine ends the sequence
-                logits[i].masked_fill_(~allowed, float("-inf"))
+        matchers = [seqs[i].matcher for i in rows]
+        allowed = allowed_tokens([m for m in matchers if m is not None], logits.shape[-1]).to(logits.device)
+        for k, i in enumerate(rows):
+            fmt = seqs[i].params.output_format
+            if fmt is not None and fmt.think_open is not None and seqs[i].format_phase == "start":
+                allowed[k, fmt.think_open] = True  # the output may open with a thinking block
+        # a row with nothing allowed: its matcher failed, and the engine ends the sequence after this token
+        allowed[~allowed.any(dim=1)] = True
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
 
     def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import llguidance
+import llguidance.numpy
 import numpy as np
 import torch
 from glm5.errors import InvalidRequestError
@@ -88,7 +89,17 @@ class Grammars:
         return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
 
 
-def allowed_tokens(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
-    """(V,) bool: the tokens the format allows next (EOS once it is complete)."""
-    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-    return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool))
+_executor: llguidance.LLExecutor | None = None
+
+
+def allowed_tokens(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
+    """(n, V) bool: the tokens each format allows next (EOS once it is complete), computed on llguidance's
+    threads for the whole batch at once."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
+    llguidance.numpy.fill_next_token_bitmask_par(_executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+    # int32 words, bit j of word w is token 32 w + j (little-endian bytes, least significant bit first)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(bits.astype(bool))
