@@ -38,6 +38,14 @@ def _generate(a: argparse.Namespace) -> None:
                 ),
                 skip_special_tokens=True,
             )
+            if a.json_schema:
+                request.sampling.structured_output.json_schema = _inline_or_file(a.json_schema)
+            elif a.json_object:
+                request.sampling.structured_output.json_object = True
+            elif a.regex:
+                request.sampling.structured_output.regex = a.regex
+            elif a.grammar:
+                request.sampling.structured_output.lark_grammar = _inline_or_file(a.grammar)
             last = None
             async for resp in client.generate(request, timeout=a.timeout):
                 sys.stdout.write(resp.text)
@@ -56,6 +64,16 @@ def _generate(a: argparse.Namespace) -> None:
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         sys.exit(1)
+
+
+def _inline_or_file(value: str) -> str:
+    """`@path` reads the file (curl's convention); anything else is the value itself."""
+    if not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        sys.exit(f"error: cannot read {value[1:]}: {exc.strerror}")
 
 
 def _worker(a: argparse.Namespace) -> None:
@@ -189,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", help="structured output: a JSON Schema (inline JSON, or @FILE)")
+    fmt.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+    fmt.add_argument("--regex", help="structured output: the whole completion matches this regular expression")
+    fmt.add_argument("--grammar", help="structured output: a Lark grammar (inline, or @FILE)")
     g.add_argument("--timeout", type=float, default=300.0)
     g.set_defaults(func=_generate)
 

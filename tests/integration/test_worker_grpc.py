@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import subprocess
 import sys
 import time
@@ -286,3 +288,17 @@ def test_cli_generate_streams_to_the_terminal(worker: str) -> None:
     assert out.returncode == 0, out.stderr
     assert "5 generated tokens" in out.stderr
     assert time.monotonic() - start < 60
+
+
+def test_cli_generate_structured_output(worker: str, tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))  # fmt: skip
+    base = [sys.executable, "-m", "glm5_cli", "generate", "--target", worker, "--max-new-tokens", "20", "hello"]
+    out = subprocess.run([*base, "--json-schema", f"@{schema}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) in ({"ok": True}, {"ok": False})
+    out = subprocess.run([*base, "--regex", "[xyz]{3}"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and re.fullmatch("[xyz]{3}", out.stdout.strip()), out
+    bad = subprocess.run([*base, "--regex", "[oops"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "regex" in bad.stderr
