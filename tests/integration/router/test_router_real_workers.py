@@ -238,6 +238,44 @@ def test_openai_structured_output(stack: dict[str, Any]) -> None:
             client.chat.completions.create(model="glm5-tiny", messages=user, max_tokens=5, **kw)  # type: ignore[arg-type]
 
 
+CITY = {"type": "string", "maxLength": 12}
+DAYS = {"type": "integer", "minimum": 1, "maximum": 9}
+WEATHER_ARGS = {"type": "object", "required": ["city"], "properties": {"city": CITY, "days": DAYS}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_ARGS}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_openai_tool_choice_required_and_named(stack: dict[str, Any]) -> None:
+    """tool_choice 'required' / a named function: the random model's answer is held to the tool-call format."""
+    client = openai.OpenAI(base_url=stack["base"], api_key="none", max_retries=0, timeout=120)
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [WEATHER, CLOCK]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    close = {str(_token_ids(stack["base"], "</think>")[0]): 100}  # ends a thinking block the random model opens
+    for thinking in ("disabled", "enabled"):
+        reply = client.chat.completions.create(model="glm5-tiny", messages=user, tools=tools, tool_choice=named,  # type: ignore[arg-type]
+                                               max_tokens=60, logit_bias=close,  # type: ignore[arg-type]
+                                               extra_body={"thinking": {"type": thinking}})  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (thinking, choice)
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"  # type: ignore[union-attr]
+        arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+        jsonschema.validate(arguments, WEATHER_ARGS)
+    reply = client.chat.completions.create(model="glm5-tiny", messages=user, tools=tools, tool_choice="required",  # type: ignore[arg-type]
+                                           max_tokens=60, extra_body={"thinking": {"type": "disabled"}})  # fmt: skip
+    calls = reply.choices[0].message.tool_calls or []
+    assert calls and {c.function.name for c in calls} <= {"get_weather", "now"}  # type: ignore[union-attr]
+    for choice, match in (
+        ({"type": "function", "function": {"name": "nope"}}, "no tool named"),
+        ("always", "tool_choice"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.chat.completions.create(model="glm5-tiny", messages=user, tools=tools, tool_choice=choice)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="needs tools"):
+        client.chat.completions.create(model="glm5-tiny", messages=user, tool_choice="required")  # type: ignore[arg-type]
+
+
 def test_load_spreads_over_both_workers(stack: dict[str, Any]) -> None:
     async def one(stub: router_pb2_grpc.RouterStub, i: int) -> str:
         req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(

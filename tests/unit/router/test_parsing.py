@@ -151,3 +151,46 @@ def test_a_merged_response_splits_into_its_tokens() -> None:
     assert pieces[-1].usage.completion_tokens == 9 and {p.weight_version for p in pieces} == {4}
     lagging = worker_pb2.GenerateResponse(token_ids=ids[1:], text="x" + text)  # text of an earlier token too
     assert per_token(tok, lagging) == [lagging]
+
+
+def test_tool_choice_grammar_only_admits_calls_the_registry_accepts() -> None:
+    """Random walks through the tool_choice grammar's token masks (llguidance, the demo model's tokenizer) end
+    in calls that resolve to valid ToolCalls: the grammar and the parser agree on the format and the types."""
+    import random
+    from pathlib import Path
+
+    import llguidance
+    import numpy as np
+    from glm5.tokenizer.tokenizer import Tokenizer
+    from glm5_router.parsing.tools import TAGS
+
+    tok = Tokenizer(Path(__file__).parents[3] / "common/glm5/assets/glm5-tiny-addition")
+    lltok = llguidance.LLTokenizer(tok.files[0].decode(), n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids())
+    props = {"city": {"type": "string", "maxLength": 6}, "unit": {"type": "string", "enum": ["C", "F"]},
+             "days": {"type": "integer", "minimum": 1, "maximum": 9}, "hourly": {"type": "boolean"}}  # fmt: skip
+    registry = ToolRegistry.from_openai([
+        {"type": "function", "function": {"name": "weather", "parameters": {
+            "type": "object", "properties": props, "required": ["city", "days"]}}},
+        {"type": "function", "function": {"name": "now"}},
+    ])  # fmt: skip
+    ids = {t: tok.token_id(t) for t in TAGS}
+    for name in ("weather", None):
+        grammar = llguidance.LLMatcher.grammar_from_lark(registry.call_grammar(name, ids))  # type: ignore[arg-type]
+        assert llguidance.LLMatcher.validate_grammar(grammar, lltok) == ""
+        for seed in range(8):
+            rng, matcher, out = random.Random(seed), llguidance.LLMatcher(lltok, grammar), []
+            while not matcher.is_stopped() and len(out) < 200:
+                bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+                token = rng.choice(np.flatnonzero(bits[: tok.vocab_size]).tolist())
+                if token in tok.eos_token_ids():  # allowed once the calls are complete: the engine stops there
+                    break
+                assert matcher.consume_token(token)
+                out.append(token)
+            text = tok.decode(out)
+            assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+            for raw in text.removeprefix("<tool_call>").removesuffix("</tool_call>").split("</tool_call><tool_call>"):
+                call = registry.resolve(raw)
+                assert isinstance(call, ToolCall), (text, call)
+                assert name is None or call.name == name
+    with pytest.raises(ValueError, match="no tool named"):
+        registry.call_grammar("nope", ids)  # type: ignore[arg-type]

@@ -29,7 +29,8 @@ from glm5.v1 import common_pb2, worker_pb2
 
 from glm5_router.frontend import Delta, Frontend, GenerateInput, Thinking
 from glm5_router.parsing.reasoning import THINK_CLOSE, THINK_OPEN
-from glm5_router.parsing.tools import ToolCall, ToolCallError
+from glm5_router.parsing.tools import TAGS as TOOL_TAGS
+from glm5_router.parsing.tools import ToolCall, ToolCallError, ToolRegistry
 from glm5_router.scheduling.dispatcher import WorkerStatusError
 
 log = logging.getLogger(__name__)
@@ -485,6 +486,34 @@ class OpenAIServer:
 
     # -- /v1/chat/completions -------------------------------------------------------------------------
 
+    def _force_tool_call(self, choice: Any, tools: list[Any] | None, base: worker_pb2.GenerateRequest) -> None:
+        """tool_choice "required" (one or more calls) or {"type": "function", "function": {"name": N}} (one call
+        to N): a grammar of the model's tool-call format holds the answer to it (structured output)."""
+        function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice != "required" and not isinstance(name, str):
+            raise ApiError(400, "tool_choice: 'auto', 'none', 'required' or {'type': 'function', 'function': "
+                           "{'name': ...}}", "invalid_request_error", "tool_choice")  # fmt: skip
+        if not tools:
+            raise ApiError(400, "tool_choice: needs tools", "invalid_request_error", "tool_choice")
+        if base.sampling.HasField("structured_output"):
+            raise ApiError(400, "tool_choice: cannot be combined with another output format",
+                           "invalid_request_error", "tool_choice")  # fmt: skip
+        tok = self.frontend.tokenizer
+        ids = {t: tok.token_id(t) for t in TOOL_TAGS}
+        if any(i is None for i in ids.values()):
+            raise ApiError(400, "tool_choice: this model's tokenizer has no tool-call tokens",
+                           "invalid_request_error", "tool_choice")  # fmt: skip
+        try:
+            registry = ToolRegistry.from_openai(tools)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "invalid_request_error", "tools") from None
+        try:
+            grammar = registry.call_grammar(name, {t: i for t, i in ids.items() if i is not None})
+        except ValueError as exc:
+            raise ApiError(400, f"tool_choice: {exc}", "invalid_request_error", "tool_choice") from None
+        base.sampling.structured_output.lark_grammar = grammar
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         base = _sampling(body)
@@ -501,11 +530,9 @@ class OpenAIServer:
         inp.messages = messages
         tools = _get(body, "tools", list)
         choice_mode = body.get("tool_choice", "auto")
+        inp.tools = tools if choice_mode != "none" else None
         if choice_mode not in ("auto", "none"):
-            raise ApiError(
-                400, "tool_choice: only 'auto' and 'none' are supported", "invalid_request_error", "tool_choice"
-            )
-        inp.tools = tools if choice_mode == "auto" else None
+            self._force_tool_call(choice_mode, tools, base)
         built = [self.frontend.build(x) for x in self._fan_out(inp, n)]
         streams = [
             self.frontend.stream(job, in_reasoning, registry, inp.session_id, operation="chat")

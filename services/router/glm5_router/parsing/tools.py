@@ -21,7 +21,19 @@ from glm5_router.parsing.reasoning import _partial_suffix
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+TAGS = (CALL_OPEN, CALL_CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _verbatim_string(schema: dict[str, Any]) -> str:
+    """A Lark terminal for a string argument as the chat template writes it (unquoted, no '<')."""
+    if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    low = schema.get("minLength", 0)
+    high = schema.get("maxLength")
+    if isinstance(low, int) and isinstance(high, int):
+        return f"/[^<]{{{low},{high}}}/"
+    return f"/[^<]{{{low if isinstance(low, int) else 0},}}/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +124,36 @@ class ToolRegistry:
                 raise ValueError(f"tools[{i}].function.name: {name!r} is declared twice")
             reg.tools[name] = Tool(name, params, signature(name, params))
         return reg
+
+    def call_grammar(self, name: str | None, token_ids: dict[str, int]) -> str:
+        """A Lark grammar (llguidance's dialect) for `tool_choice`: exactly one call to `name`, or (None) one or
+        more calls to any tool. Arguments come in the schema's property order, the required ones always;
+        string values verbatim (as the chat template writes them), others as JSON valid against their schema.
+        `token_ids`: the ids of the tool-call tags, which are special tokens."""
+        tag = {t: f"<[{token_ids[t]}]>" for t in TAGS}
+        rules, calls = [], []
+        for i, tool in enumerate(self.tools.values()):
+            if name is not None and tool.name != name:
+                continue
+            props: dict[str, Any] = tool.parameters.get("properties") or {}
+            required = set(tool.parameters.get("required") or [])
+            args = []
+            for j, (key, schema) in enumerate(props.items()):
+                value = f"v{i}_{j}"
+                if isinstance(schema, dict) and schema.get("type") == "string":
+                    rules.append(f"{value.upper()}: {_verbatim_string(schema)}")
+                    value = value.upper()
+                else:
+                    rules.append(f"{value}: %json {json.dumps(schema if isinstance(schema, dict) else {})}")
+                arg = (f'{tag["<arg_key>"]} {json.dumps(key)} {tag["</arg_key>"]} '
+                       f'{tag["<arg_value>"]} {value} {tag["</arg_value>"]}')  # fmt: skip
+                args.append(arg if key in required else f"({arg})?")
+            rules.append(f"call{i}: {tag[CALL_OPEN]} {json.dumps(tool.name)} {' '.join(args)} {tag[CALL_CLOSE]}")
+            calls.append(f"call{i}")
+        if not calls:
+            raise ValueError(f"no tool named {name!r}")
+        start = calls[0] if name is not None else f"({' | '.join(calls)})+"
+        return "\n".join([f"start: {start}", *rules])
 
     def resolve(self, raw: str) -> ToolCall | ToolCallError:
         """One `<tool_call>` body (without the tags) -> a validated call or an error."""
