@@ -121,6 +121,12 @@ def test_health_serving(worker: str) -> None:
         (dict(prompt="hi", sampling=sampling(frequency_penalty=-2.5)), "frequency_penalty"),
         (dict(prompt="hi", sampling=sampling(logit_bias={10**6: 1.0})), "logit_bias"),
         (dict(prompt="hi", sampling=sampling(logit_bias={5: -150.0})), "logit_bias"),
+        # a structured_output with no format in it (a sub-message set by touching one of its other fields)
+        (
+            dict(prompt="hi", sampling=sampling(structured_output=common_pb2.StructuredOutput(starts_thinking=True))),
+            "structured_output",
+        ),
+        (dict(prompt="hi", sampling=sampling(structured_output=common_pb2.StructuredOutput(regex="[x"))), "regex"),
         (dict(prompt="hi", prompt_token_ids=[1, 2]), "prompt"),
         (dict(prompt="hi", top_logprobs=50), "top_logprobs"),
         (dict(prompt="hi", stream_interval=-1), "stream_interval"),

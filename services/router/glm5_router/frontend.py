@@ -356,9 +356,9 @@ class Frontend:
         request.CopyFrom(job.request)
         request.prompt_token_ids.extend(generated + close)
         request.sampling.max_new_tokens = max(1, left)
-        # the answer starts now: the format from its first token
-        request.sampling.structured_output.ClearField("think_open_token_id")
-        request.sampling.structured_output.starts_thinking = False
+        if request.sampling.HasField("structured_output"):  # the answer starts now: the format from its first token
+            request.sampling.structured_output.ClearField("think_open_token_id")
+            request.sampling.structured_output.starts_thinking = False
         request.request_id = f"{job.id}-answer"
         cont = Job(request.request_id, request, job.prompt_tokens + len(generated) + len(close), max(1, left),
                    job.lane, job.deadline, job.affinity_key)  # fmt: skip

@@ -36,7 +36,8 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     keys.mkdir()
     (keys / "k1").write_text(KEY.hex())
     workers = [start_worker(tiny_model, *WORKER_FLAGS) for _ in range(2)]
-    router, target, base = start_router([t for _, t in workers], "--sm4-key-dir", str(keys), log=tmp / "router.log")
+    router, target, base = start_router([t for _, t in workers], "--sm4-key-dir", str(keys), "--light-thinking-budget",
+                                        "16", log=tmp / "router.log")  # fmt: skip
     try:
         yield {"grpc": target, "base": base, "workers": [t for _, t in workers]}
     finally:
@@ -274,6 +275,22 @@ def test_openai_tool_choice_required_and_named(stack: dict[str, Any]) -> None:
             client.chat.completions.create(model="glm5-tiny", messages=user, tools=tools, tool_choice=choice)  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError, match="needs tools"):
         client.chat.completions.create(model="glm5-tiny", messages=user, tool_choice="required")  # type: ignore[arg-type]
+
+
+def test_light_thinking_cut_at_its_budget_then_answers(stack: dict[str, Any]) -> None:
+    """Budget forcing on real workers: the reasoning is cut at 16 tokens and the answer continues in a second
+    worker request, held to the response format from its first token."""
+    client = openai.OpenAI(base_url=stack["base"], api_key="none", max_retries=0, timeout=120)
+    # the random model opens its reasoning at once and never ends it itself
+    bias = {str(_token_ids(stack["base"], "<think>")[0]): 100, str(_token_ids(stack["base"], "</think>")[0]): -100}
+    user = [{"role": "user", "content": "What is 2 + 3?"}]
+    for fmt in (None, {"type": "json_schema", "json_schema": {"name": "sum", "schema": SCHEMA}}):
+        extra = {"response_format": fmt} if fmt else {}
+        reply = client.chat.completions.create(model="glm5-tiny", messages=user, max_tokens=60, reasoning_effort="low",  # type: ignore[arg-type]
+                                               logit_bias=bias, **extra)  # fmt: skip
+        assert reply.usage is not None and reply.usage.completion_tokens > 17  # 16 + </think> + the answer
+        if fmt:
+            jsonschema.validate(json.loads(reply.choices[0].message.content or ""), SCHEMA)
 
 
 def test_load_spreads_over_both_workers(stack: dict[str, Any]) -> None:

@@ -123,7 +123,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise RequestFailed(invalid, "top_logprobs: must be >= 0")
         if request.stream_interval < 0:
             raise RequestFailed(invalid, "stream_interval: must be >= 0")
-        params = sampling_from_proto(request, self.default_max_new_tokens)
+        try:
+            params = sampling_from_proto(request, self.default_max_new_tokens)
+        except InvalidRequestError as exc:
+            raise RequestFailed(invalid, str(exc)) from None
         stream = self.engine.generate(
             request.request_id or None,
             request.prompt or None,
