@@ -20,6 +20,7 @@ from glm5.model.batch import DecodeGroup, ForwardBatch
 from glm5.model.config import ModelConfig
 from glm5.model.norms import RMSNorm
 from glm5.model.rope import apply_interleaved
+from glm5.parallel import SINGLE, TensorParallel
 
 # Bound on the elements of one temporary (index scores, attention scores, gathered rows). Besides bounding
 # memory on long prefills, it keeps temporaries (<= 8 MiB in float32) below glibc's mmap threshold: larger
@@ -88,11 +89,14 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, index_layer: int) -> None:
+    """Under tensor parallelism a rank runs heads [rank * H/N, (rank + 1) * H/N) over the full latent cache and
+    returns its partial o_proj output (the caller all-reduces it); the indexer is replicated."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, index_layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.index_layer = index_layer  # row in the indexer-key pool; -1 on shared layers
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim

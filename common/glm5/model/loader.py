@@ -3,15 +3,20 @@
 Tensors are read lazily one at a time into a model built on the meta device, so peak memory is the model
 plus one tensor. Routed experts are stored per expert on disk (mlp.experts.{e}.{gate,up,down}_proj.weight)
 and stacked in memory. Multi-token-prediction layers (index >= num_hidden_layers) are skipped.
+
+Under tensor parallelism (glm5.parallel) a rank reads only its slices (safetensors' get_slice): a split
+tensor's rows or columns, its own experts, never the whole checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -22,13 +27,23 @@ from glm5.errors import CheckpointError
 from glm5.model.config import ModelConfig, RopeConfig
 from glm5.model.model import DecoderLayer, GlmMoeDsaForCausalLM
 from glm5.model.moe import MoE
+from glm5.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# Split by rows (output features) / columns (input features) under tensor parallelism; all else is replicated.
+_ROWS = re.compile(
+    r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(self_attn\.(q_b_proj|kv_b_proj)"
+    r"|mlp\.(shared_experts\.)?(gate_proj|up_proj)))\.weight$"
+)
+_COLUMNS = re.compile(r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(shared_experts\.)?down_proj)\.weight$")
+_ROW_PARALLEL_BIAS = re.compile(r"^model\.layers\.\d+\.self_attn\.o_proj\.bias$")
 PROGRESS_MIN_BYTES = 256 << 20
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -62,15 +77,44 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
-def _iter_tensors(files: list[Path], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+class _Lazy:
+    """One checkpoint tensor, not read yet: `read(index)` reads only the indexed part."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._slice.get_shape())
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPE_BYTES.get(self._slice.get_dtype(), 2)
+
+    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        tensor: torch.Tensor = self._slice[index] if index else self._slice[:]
+        return tensor
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, _Lazy]]:
     for file in files:
         try:
-            handle = safe_open(str(file), framework="pt", device=str(device) if device.type == "cpu" else "cpu")
+            handle = safe_open(str(file), framework="pt", device="cpu")
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"cannot read {file}: {exc}") from exc
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, f.get_tensor(name)
+                yield name, _Lazy(f, name)
+
+
+def _split(target: torch.Tensor, dim: int, tp: TensorParallel) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+    """The full shape a rank's split tensor comes from, and the index of its part."""
+    local = target.shape[dim]
+    full = list(target.shape)
+    full[dim] = local * tp.size
+    index = [slice(None)] * target.dim()
+    index[dim] = slice(tp.rank * local, (tp.rank + 1) * local)
+    return tuple(full), tuple(index)
 
 
 def load_model(
@@ -79,8 +123,10 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool | None = None,
     rope: RopeConfig | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> GlmMoeDsaForCausalLM:
-    """Builds the model of the checkpoint at `path`; `rope` replaces the checkpoint's RoPE parameters."""
+    """Builds the model of the checkpoint at `path` (this rank's shard under `tp`); `rope` replaces the
+    checkpoint's RoPE parameters."""
     path, device = Path(path), torch.device(device)
     config = ModelConfig.from_file(path)
     if rope is not None:
@@ -91,7 +137,7 @@ def load_model(
         raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet; use a bf16 checkpoint")
     files = checkpoint_files(path)
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(config)
+        model = GlmMoeDsaForCausalLM(config, tp)
     model = model.to(dtype)
     for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer)
@@ -108,31 +154,37 @@ def load_model(
     unexpected: list[str] = []
     total = sum(f.stat().st_size for f in files)
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=not show)
+    desc = "loading weights" if tp.size == 1 else f"loading weights (rank {tp.rank})"
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show)
     with torch.no_grad(), bar:
-        for name, tensor in _iter_tensors(files, device):
-            bar.update(tensor.numel() * tensor.element_size())
+        for name, lazy in _iter_tensors(files):
+            bar.update(lazy.nbytes)  # scanned, whether this rank reads it all, a part or nothing
             layer_match = _LAYER.match(name)
             if layer_match and int(layer_match.group(1)) >= config.num_hidden_layers:
                 skipped_mtp += 1
                 continue
             expert = _EXPERT.match(name)
             if expert:
-                _load_expert(params, expert_parts, expert, tensor, name, config)
+                _load_expert(params, expert_parts, expert, lazy, name, config, tp)
                 continue
             target = params.get(name)
             if target is None:
                 unexpected.append(name)
                 continue
-            if tuple(tensor.shape) != tuple(target.shape):
+            full, index = tuple(target.shape), ()
+            if tp.size > 1 and (_ROWS.match(name) or _COLUMNS.match(name)):
+                full, index = _split(target, 0 if _ROWS.match(name) else 1, tp)
+            if lazy.shape != full:
                 raise CheckpointError(
-                    f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but the config needs "
-                    f"{tuple(target.shape)}"
+                    f"tensor {name} has shape {lazy.shape} in the checkpoint but the config needs {full}"
                 )
-            target.copy_(tensor)
+            if tp.rank > 0 and _ROW_PARALLEL_BIAS.match(name):
+                target.zero_()  # the ranks' partial outputs are summed: the bias is added once, by rank 0
+            else:
+                target.copy_(lazy.read(index))
             pending.discard(name)
     for stacked, parts in expert_parts.items():
-        if len(parts) == config.n_routed_experts * 3:
+        if len(parts) == _local_experts(model, stacked) * 3:
             pending.discard(stacked.replace(".gate_up_proj", ".down_proj"))
             pending.discard(stacked)
     if "lm_head.weight" in pending and config.tie_word_embeddings:
@@ -148,31 +200,50 @@ def load_model(
     return model.eval()
 
 
+def _local_experts(model: GlmMoeDsaForCausalLM, stacked: str) -> int:
+    """Experts this rank holds in the MoE layer that `stacked` (...mlp.experts.gate_up_proj) belongs to."""
+    layer = model.model.layers[int(stacked.split(".")[2])]
+    assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MoE)
+    return layer.mlp.experts.num_experts
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers this process holds (a rank's shard under tensor parallelism)."""
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}  # tied weights count once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def _load_expert(
     params: dict[str, torch.Tensor],
     expert_parts: dict[str, set[tuple[int, str]]],
     match: re.Match[str],
-    tensor: torch.Tensor,
+    lazy: _Lazy,
     name: str,
     config: ModelConfig,
+    tp: TensorParallel,
 ) -> None:
+    """Reads this rank's part of one expert's projection (nothing if another rank holds the expert)."""
     layer, e, which = int(match.group(1)), int(match.group(2)), match.group(3)
     prefix = f"model.layers.{layer}.mlp.experts"
     gate_up, down = params.get(f"{prefix}.gate_up_proj"), params.get(f"{prefix}.down_proj")
     if gate_up is None or down is None or e >= config.n_routed_experts:
         raise CheckpointError(f"tensor {name} does not fit the config (no such MoE layer or expert)")
-    inter = config.moe_intermediate_size
+    first, inter = 0, gate_up.shape[1] // 2  # this rank's intermediate size
+    if tp.expert_parallel:
+        first, stop = tp.span(config.n_routed_experts)
+        if not first <= e < stop:
+            return  # another rank's expert
     if which == "down":
-        target = down[e]
+        target = down[e - first]
     else:
         rows = slice(0, inter) if which == "gate" else slice(inter, 2 * inter)
-        target = gate_up[e, rows]
-    if tuple(tensor.shape) != tuple(target.shape):
-        raise CheckpointError(
-            f"tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but the config needs "
-            f"{tuple(target.shape)}"
-        )
-    target.copy_(tensor)
+        target = gate_up[e - first, rows]
+    full, index = tuple(target.shape), ()
+    if tp.size > 1 and not tp.expert_parallel:
+        full, index = _split(target, 1 if which == "down" else 0, tp)
+    if lazy.shape != full:
+        raise CheckpointError(f"tensor {name} has shape {lazy.shape} in the checkpoint but the config needs {full}")
+    target.copy_(lazy.read(index))
     expert_parts.setdefault(f"{prefix}.gate_up_proj", set()).add((e, which))
 
 

@@ -7,6 +7,7 @@ so weights load by name; only the routed experts are stacked (see glm5.model.loa
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from glm5.kernels.base import DSAKernels
@@ -17,38 +18,63 @@ from glm5.model.config import ModelConfig
 from glm5.model.moe import MLP, MoE
 from glm5.model.norms import RMSNorm
 from glm5.model.rope import inv_freq_and_scale
+from glm5.parallel import SINGLE, TensorParallel
+
+
+class VocabEmbedding(nn.Module):
+    """Token embeddings; under tensor parallelism each rank holds a contiguous slice of the vocabulary rows and
+    the ranks' lookups (zeros for ids outside a slice) are summed, so exactly one rank contributes each row."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.first, stop = tp.span(vocab_size)
+        self.weight = nn.Parameter(torch.empty(stop - self.first, hidden_size))
+        nn.init.normal_(self.weight)  # nn.Embedding's initialisation
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, index_layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, index_layer: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = MLAttention(config, layer_idx, index_layer)
+        self.self_attn = MLAttention(config, layer_idx, index_layer, tp)
         self.mlp: MLP | MoE = (
-            MoE(config)
+            MoE(config, tp)
             if config.mlp_layer_types[layer_idx] == "sparse"
-            else MLP(config.hidden_size, config.intermediate_size)
+            else MLP(config.hidden_size, config.intermediate_size // tp.size)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class GlmMoeDsaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         index_layers = {layer: i for i, layer in enumerate(config.full_indexer_layers)}
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, index_layers.get(i, -1)) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, index_layers.get(i, -1), tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The whole model, or under tensor parallelism (`tp`, glm5.parallel) one rank's shard of it."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = GlmMoeDsaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = GlmMoeDsaModel(config, tp)
+        first, stop = tp.span(config.vocab_size)
+        self.lm_head = nn.Linear(config.hidden_size, stop - first, bias=False)
         # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
         with torch.device("cpu"):  # also when the model is built on the meta device
             self._inv_freq, self._rope_scaling = inv_freq_and_scale(config.rope, config.qk_rope_head_dim)
@@ -74,8 +100,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
         controls: DSAControls | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Runs one step and returns logits (M, V) float32 for batch.logits_rows (all rows if all_logits)."""
+        """Runs one step and returns logits (M, V) float32 for batch.logits_rows (all rows if all_logits).
+        Under tensor parallelism the first rank gets the whole vocabulary; the others their own slice."""
         controls = controls or DSAControls()
+        tp = self.tp
         h = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rope(batch.positions, h.dtype)
         selection: LayerSelection | None = None
@@ -84,9 +112,9 @@ class GlmMoeDsaForCausalLM(nn.Module):
             attn_out, selection = layer.self_attn(
                 layer.input_layernorm(h), cos, sin, batch, cache, kernels, controls, selection
             )
-            h = h + attn_out
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + tp.all_reduce(attn_out)
+            h = h + tp.all_reduce(layer.mlp(layer.post_attention_layernorm(h)))
         if not all_logits:
             h = h[batch.logits_rows]
         logits: torch.Tensor = self.lm_head(self.model.norm(h)).float()
-        return logits
+        return tp.gather_last_dim(logits)

@@ -4,6 +4,9 @@ Routing (transformers' GlmMoeDsaTopkRouter): sigmoid scores in float32; the choi
 e_score_correction_bias (aux-loss-free balancing) but the weights do not; experts are first limited to the
 topk_group groups whose two best experts score highest; chosen weights are normalised (norm_topk_prob)
 and multiplied by routed_scaling_factor. Shared experts always run.
+
+Under tensor parallelism (glm5.parallel) the blocks return this rank's partial sum; the decoder layer adds the
+ranks' partials with one all-reduce.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5.model.config import ModelConfig
+from glm5.parallel import SINGLE, TensorParallel
 
 
 class MLP(nn.Module):
@@ -60,11 +64,18 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked in 3-D tensors (one matmul per active expert)."""
+    """Routed experts stacked in 3-D tensors (one matmul per active expert). Under expert parallelism a rank
+    holds experts [first_expert, first_expert + num_experts); otherwise every expert, with a 1/N slice of its
+    intermediate dimension."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        if tp.expert_parallel:
+            self.first_expert, stop = tp.span(e)
+            e = stop - self.first_expert
+        else:
+            self.first_expert, i = 0, i // tp.size
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))  # rows: gate then up
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
@@ -72,8 +83,12 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat = expert_ids.reshape(-1)
+        if self.first_expert:
+            flat = flat - self.first_expert
+        # another rank's experts go to a last bucket that is never run
+        flat = flat.masked_fill((flat < 0) | (flat >= self.num_experts), self.num_experts)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts + 1).tolist()[: self.num_experts]
         token_of = order // expert_ids.shape[1]
         slot_of = order % expert_ids.shape[1]
         start = 0
@@ -90,11 +105,12 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate = Router(config)
-        self.experts = Experts(config)
-        self.shared_experts = MLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+        self.gate = Router(config)  # replicated: every rank routes every token the same way
+        self.experts = Experts(config, tp)
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared // tp.size)
         self.last_router_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
