@@ -265,7 +265,7 @@ def _config_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, A
         action = known.get(dest)
         if action is None:
             raise ConfigError(f"config file {path}: unknown setting {key!r}")
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise ConfigError(f"config file {path}: {key!r} takes true or false, got {value!r}")
         elif value is not None and action.type is not None and not isinstance(value, bool):

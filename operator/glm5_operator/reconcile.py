@@ -18,12 +18,18 @@ from typing import Any
 from glm5_operator.api import API_VERSION, GLM5DeploymentSpec, InvalidSpec, RLJobSpec, parse_deployment, parse_rljob
 from glm5_operator.config import OperatorConfig
 from glm5_operator.kube import Kube, Outcome, Ref
-from glm5_operator.ranktable import ANNOTATION, RankTableError, build_rank_table, parse_annotation
+from glm5_operator.ranktable import ANNOTATION, PodDevices, RankTableError, build_rank_table, parse_annotation
 from glm5_operator.render import Child, deployment_children, rljob_children
 from glm5_operator.render import rljob as rl
 from glm5_operator.render.common import child_name, selector
 from glm5_operator.render.router import router_endpoints, router_name
-from glm5_operator.render.workers import POD_INDEX_LABEL, rank_table_key, rank_table_name, worker_name
+from glm5_operator.render.workers import (
+    POD_INDEX_LABEL,
+    node_component,
+    rank_table_key,
+    rank_table_name,
+    worker_name,
+)
 from glm5_operator.status import (
     Condition,
     RankTables,
@@ -153,32 +159,37 @@ class Reconciler:
         return rollout(sts, spec.workers.replicas, "readyReplicas")
 
     def _sync_rank_tables(self, instance: str, ns: str, spec: GLM5DeploymentSpec) -> RankTables:
-        """Build each replica's hccl.json from its pod's device annotation and write the changed ones."""
+        """Build each replica's hccl.json from its pods' device annotations (one pod per node of the replica,
+        in node order) and write the changed ones."""
         w = spec.workers
-        pods = self.kube.list(Ref("v1", "Pod", ns), labels=selector(instance, "worker"))
-        by_replica: dict[int, dict[str, Any]] = {}
-        for pod in pods:
-            index = _pod_index(pod)
-            if index is not None and not pod["metadata"].get("deletionTimestamp"):
-                by_replica[index] = pod
+        nodes = w.pods_per_replica
+        by_slot: dict[tuple[int, int], dict[str, Any]] = {}
+        for node in range(nodes):
+            for pod in self.kube.list(Ref("v1", "Pod", ns), labels=selector(instance, node_component(node))):
+                index = _pod_index(pod)
+                if index is not None and not pod["metadata"].get("deletionTimestamp"):
+                    by_slot[(index, node)] = pod
         tables: dict[int, dict[str, Any]] = {}
         error: str | None = None
         for replica in range(w.replicas):
-            replica_pod = by_replica.get(replica)
-            devices = None
-            if replica_pod is not None:
-                meta = replica_pod["metadata"]
-                raw = (meta.get("annotations") or {}).get(ANNOTATION)
-                try:
-                    ip = (replica_pod.get("status") or {}).get("podIP")
-                    devices = parse_annotation(meta["name"], ip, raw, w.devices_per_replica)
-                except RankTableError as exc:
-                    error = error or str(exc)
+            devices: list[PodDevices | None] = []
+            for node in range(nodes):
+                slot = by_slot.get((replica, node))
+                found = None
+                if slot is not None:
+                    meta = slot["metadata"]
+                    raw = (meta.get("annotations") or {}).get(ANNOTATION)
+                    try:
+                        ip = (slot.get("status") or {}).get("podIP")
+                        found = parse_annotation(meta["name"], ip, raw, w.node_devices)
+                    except RankTableError as exc:
+                        error = error or str(exc)
+                devices.append(found)
             try:
-                tables[replica] = build_rank_table([devices], w.ring_order)
+                tables[replica] = build_rank_table(devices, w.ring_order)
             except RankTableError as exc:
                 error = error or str(exc)
-                tables[replica] = build_rank_table([None], None)
+                tables[replica] = build_rank_table([None] * nodes, None)
         self._write_rank_tables(instance, ns, w.replicas, tables)
         return RankTables({r: str(t["status"]) for r, t in tables.items()}, error)
 

@@ -12,6 +12,8 @@ a gathered row dequantises as `int8 * scale` with no zero point.
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,6 +76,19 @@ class KVLayout:
         return self.num_layers * self.kv_dim + self.num_index_layers * self.index_dim + scales
 
 
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool tensor. Decode and top-k gathers read slots past a sequence's context and mask them
+    out, but a masked garbage NaN still poisons the output (0 x NaN in the value product), so a pool must never
+    hold garbage. On the CPU an anonymous mapping gives zero pages the OS commits only when first written (so
+    a large pool costs memory as it fills, not at start-up), whatever the heap allocator would have recycled;
+    accelerators zero their pool once."""
+    numel = math.prod(shape)
+    if device.type != "cpu" or numel == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)
+
+
 def _take(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """pool (S, D), slots (...) -> (..., D); index_select is several times faster than fancy indexing."""
     return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
@@ -96,14 +111,13 @@ class PagedKVStorage:
         self.layout = layout
         lo = layout
         dev = lo.device
-        # torch.empty: the OS commits pages only when a block is first written
-        self.fp_kv = torch.empty(lo.num_layers, lo.num_fp_slots, lo.kv_dim, dtype=lo.dtype, device=dev)
-        self.fp_index = torch.empty(lo.num_index_layers, lo.num_fp_slots, lo.index_dim, dtype=lo.idx_dtype, device=dev)
-        self.q_kv = torch.empty(lo.num_layers, lo.num_q_slots, lo.kv_dim, dtype=torch.int8, device=dev)
+        self.fp_kv = _pool((lo.num_layers, lo.num_fp_slots, lo.kv_dim), lo.dtype, dev)
+        self.fp_index = _pool((lo.num_index_layers, lo.num_fp_slots, lo.index_dim), lo.idx_dtype, dev)
+        self.q_kv = _pool((lo.num_layers, lo.num_q_slots, lo.kv_dim), torch.int8, dev)
         # scale[..., 0] for the latent, scale[..., 1] for the rope key
-        self.q_kv_scale = torch.empty(lo.num_layers, lo.num_q_slots, 2, dtype=torch.float16, device=dev)
-        self.q_index = torch.empty(lo.num_index_layers, lo.num_q_slots, lo.index_dim, dtype=torch.int8, device=dev)
-        self.q_index_scale = torch.empty(lo.num_index_layers, lo.num_q_slots, 1, dtype=torch.float16, device=dev)
+        self.q_kv_scale = _pool((lo.num_layers, lo.num_q_slots, 2), torch.float16, dev)
+        self.q_index = _pool((lo.num_index_layers, lo.num_q_slots, lo.index_dim), torch.int8, dev)
+        self.q_index_scale = _pool((lo.num_index_layers, lo.num_q_slots, 1), torch.float16, dev)
 
     @property
     def has_q_tier(self) -> bool:

@@ -171,7 +171,7 @@ def load_model(
             if target is None:
                 unexpected.append(name)
                 continue
-            full, index = tuple(target.shape), ()
+            full, index = tuple(target.shape), tuple[slice, ...]()
             if tp.size > 1 and (_ROWS.match(name) or _COLUMNS.match(name)):
                 full, index = _split(target, 0 if _ROWS.match(name) else 1, tp)
             if lazy.shape != full:
@@ -238,7 +238,7 @@ def _load_expert(
     else:
         rows = slice(0, inter) if which == "gate" else slice(inter, 2 * inter)
         target = gate_up[e - first, rows]
-    full, index = tuple(target.shape), ()
+    full, index = tuple(target.shape), tuple[slice, ...]()
     if tp.size > 1 and not tp.expert_parallel:
         full, index = _split(target, 1 if which == "down" else 0, tp)
     if lazy.shape != full:

@@ -104,7 +104,7 @@ class LayerSparsity(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., attention_entropy: _Optional[float] = ..., attention_entropy_drift: _Optional[float] = ..., topk: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("kv_usage", "kv_fragmentation", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "attention_entropy_drift", "token_latency_jitter_ms", "num_running", "num_waiting", "weight_version", "prefix_cache_hit_rate", "layers", "generated_tokens_total", "mean_token_latency_ms")
+    __slots__ = ("kv_usage", "kv_fragmentation", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "attention_entropy_drift", "token_latency_jitter_ms", "num_running", "num_waiting", "weight_version", "prefix_cache_hit_rate", "layers", "generated_tokens_total", "mean_token_latency_ms", "world_size", "ranks")
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class WorkerStats(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MEAN_TOKEN_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     kv_usage: float
     kv_fragmentation: float
     kv_blocks_total: int
@@ -133,14 +135,30 @@ class WorkerStats(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[LayerSparsity]
     generated_tokens_total: int
     mean_token_latency_ms: float
-    def __init__(self, kv_usage: _Optional[float] = ..., kv_fragmentation: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., attention_entropy_drift: _Optional[float] = ..., token_latency_jitter_ms: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerSparsity, _Mapping]]] = ..., generated_tokens_total: _Optional[int] = ..., mean_token_latency_ms: _Optional[float] = ...) -> None: ...
+    world_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
+    def __init__(self, kv_usage: _Optional[float] = ..., kv_fragmentation: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., attention_entropy_drift: _Optional[float] = ..., token_latency_jitter_ms: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerSparsity, _Mapping]]] = ..., generated_tokens_total: _Optional[int] = ..., mean_token_latency_ms: _Optional[float] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
+
+class RankMemory(_message.Message):
+    __slots__ = ("rank", "weight_bytes", "kv_bytes", "device_bytes", "host_rss_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    weight_bytes: int
+    kv_bytes: int
+    device_bytes: int
+    host_rss_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("served_model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "weight_version", "tokenizer_fingerprint")
+    __slots__ = ("served_model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "device", "weight_version", "tokenizer_fingerprint", "tensor_parallel_size", "expert_parallel")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +168,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     architecture: str
     max_model_len: int
@@ -159,7 +179,9 @@ class ModelInfo(_message.Message):
     device: str
     weight_version: int
     tokenizer_fingerprint: str
-    def __init__(self, served_model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    expert_parallel: bool
+    def __init__(self, served_model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_version: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., expert_parallel: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

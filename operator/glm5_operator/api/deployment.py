@@ -69,16 +69,51 @@ class KVCache(Spec):
 
 
 class Workers(Spec):
-    replicas: int = Field(1, ge=0, description="Model replicas (one worker pod each); the scale subresource.")
-    devices_per_replica: int = Field(1, ge=1, description="Accelerators per model replica (one HCCL ring).")
+    replicas: int = Field(1, ge=0, description="Model replicas; the scale subresource.")
+    devices_per_replica: int = Field(
+        1,
+        ge=1,
+        description="Devices one model replica spans (glm5 worker --tensor-parallel-size; one HCCL ring). On cpu: "
+        "ranks, one process each.",
+    )
+    devices_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="Devices one worker pod (one node) holds; a replica with more spans devicesPerReplica / "
+        "devicesPerNode pods. Default: the whole replica in one pod.",
+    )
+    expert_parallel: bool = Field(
+        True, description="Partition the routed experts over a replica's devices (else split every expert)."
+    )
+    collective_timeout_seconds: int = Field(
+        120,
+        ge=1,
+        description="A collective between a replica's devices that takes longer fails the replica (it restarts); "
+        "also HCCL_EXEC_TIMEOUT on Ascend.",
+    )
+    rendezvous_port: int = Field(
+        29500, ge=1, le=65535, description="Port the first pod of a multi-pod replica listens on for the others."
+    )
     accelerator: Accelerator = Field("cpu", description="Device type the workers request.")
     image: str | None = Field(None, description="Worker image (default: the operator's configured image).")
     resources: dict[str, Any] | None = Field(None, description="Extra container resources (requests/limits).")
-    ring_order: list[int] | None = Field(None, description="HCCL ring order of device ranks (default 0..N-1).")
+    ring_order: list[int] | None = Field(
+        None,
+        description="Manual HCCL ring: ringOrder[i] is the device (in device_id order over the replica's pods) that "
+        "gets rank i; also sets HCCL_ALGO to the ring algorithm between servers. Default: 0..N-1, HCCL's own choice.",
+    )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector for worker pods.")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Tolerations for worker pods.")
     port: int = Field(50051, ge=1, le=65535, description="Worker gRPC port.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences a worker runs at once.")
+
+    @property
+    def node_devices(self) -> int:
+        return self.devices_per_node or self.devices_per_replica
+
+    @property
+    def pods_per_replica(self) -> int:
+        return max(1, self.devices_per_replica // self.node_devices)
 
 
 class Batching(Spec):

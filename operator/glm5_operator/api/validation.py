@@ -49,8 +49,11 @@ def _worker_problems(w: Workers, where: str) -> list[str]:
             out.append(f"{where}.ringOrder: must be a permutation of 0..{w.devices_per_replica - 1}")
         if w.accelerator != "ascend-910b":
             out.append(f"{where}.ringOrder: only applies to accelerator ascend-910b (HCCL)")
-    if w.accelerator == "cpu" and w.devices_per_replica != 1:
-        out.append(f"{where}.devicesPerReplica: cpu workers use one device per replica")
+    if w.devices_per_node is not None and w.devices_per_replica % w.devices_per_node:
+        out.append(
+            f"{where}.devicesPerNode: {w.devices_per_node} does not divide devicesPerReplica "
+            f"({w.devices_per_replica}); a replica spans whole pods"
+        )
     return out
 
 

@@ -31,15 +31,16 @@ class Child:
 
 def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig) -> list[Child]:
     out = [Child(workers.engine_config_map(instance, namespace, spec))]
-    if spec.workers.accelerator == "ascend-910b":
-        pending = build_rank_table([None] * 1, spec.workers.ring_order)
-        tables = dict.fromkeys(range(spec.workers.replicas), pending)
+    w = spec.workers
+    if w.accelerator == "ascend-910b":
+        pending = build_rank_table([None] * w.pods_per_replica, w.ring_order)
+        tables = dict.fromkeys(range(w.replicas), pending)
         out.append(Child(workers.rank_table_config_map(instance, namespace, tables), create_only=True))
-    out += [
-        Child(workers.worker_service(instance, namespace, spec)),
-        Child(workers.worker_stateful_set(instance, namespace, spec, config)),
-        Child(workers.worker_pdb(instance, namespace)),
-    ]
+    out.append(Child(workers.worker_service(instance, namespace, spec)))
+    if w.pods_per_replica > 1:
+        out.append(Child(workers.ranks_service(instance, namespace, spec)))
+    out += [Child(m) for m in workers.worker_stateful_sets(instance, namespace, spec, config)]
+    out.append(Child(workers.worker_pdb(instance, namespace)))
     return out
 
 

@@ -1,9 +1,14 @@
-"""Worker children of a GLM5Deployment: engine ConfigMap, rank-table ConfigMap, StatefulSet, headless
-Service, PodDisruptionBudget.
+"""Worker children of a GLM5Deployment: engine ConfigMap, rank-table ConfigMap, StatefulSets, headless
+Services, PodDisruptionBudget.
 
-One StatefulSet per GLM5Deployment; each pod is one model replica holding all `devicesPerReplica` devices of
-its HCCL ring, so `kubectl scale glm5d` maps to StatefulSet replicas. Pods run `glm5 worker --config` with
-the engine ConfigMap; a hash of it in the pod template rolls the pods when the configuration changes.
+Pod i of the `<name>-worker` StatefulSet is rank 0 of model replica i: it serves gRPC and starts the replica's
+other ranks on its node (`glm5 worker --tensor-parallel-size devicesPerReplica`), so `kubectl scale glm5d`
+maps to StatefulSet replicas. A replica larger than a node (devicesPerReplica > devicesPerNode) adds one
+StatefulSet per further node, `<name>-worker-node<k>`, whose pod i runs ranks k * devicesPerNode.. of replica
+i, all followers, reaching pod i of the first set through the `<name>-worker-ranks` Service (its per-pod DNS
+names exist before the pods are ready: rank 0 is not ready until every rank has joined). Pods run
+`glm5 worker --config` with the engine ConfigMap; a hash of it in the pod template rolls the pods when the
+configuration changes.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ ENGINE_FILE = "engine.json"
 ENGINE_DIR = "/etc/glm5/engine"
 RANK_TABLE_DIR = "/etc/glm5/ranktable"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+NODE_RANK_LABEL = "glm5.ai/node-rank"  # which node of its replica a worker pod is (0: the one that serves)
 ACCELERATOR_RESOURCE = {"ascend-910b": "huawei.com/Ascend910", "nvidia": "nvidia.com/gpu"}
 DEVICE_FLAG = {"ascend-910b": "npu", "nvidia": "cuda", "cpu": "cpu"}
 SHUTDOWN_GRACE_S = 30
@@ -39,6 +45,18 @@ SHUTDOWN_GRACE_S = 30
 
 def worker_name(instance: str) -> str:
     return child_name(instance, COMPONENT)
+
+
+def worker_node_name(instance: str, node_rank: int) -> str:
+    return worker_name(instance) if node_rank == 0 else child_name(instance, f"{COMPONENT}-node{node_rank}")
+
+
+def node_component(node_rank: int) -> str:
+    return COMPONENT if node_rank == 0 else f"{COMPONENT}-node{node_rank}"
+
+
+def ranks_service_name(instance: str) -> str:
+    return child_name(instance, f"{COMPONENT}-ranks")
 
 
 def engine_config_name(instance: str) -> str:
@@ -59,9 +77,12 @@ def worker_address(instance: str, namespace: str, port: int) -> str:
 
 
 def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any]:
-    """`glm5 worker` flags, from the spec (see `glm5 worker --help`)."""
+    """`glm5 worker` flags, from the spec (see `glm5 worker --help`); the same for every node of a replica (a
+    pod's node rank and its rank 0's address come as arguments)."""
     m, w, kv, sa = spec.model, spec.workers, spec.kv_cache, spec.sparse_attention
     rope = m.rope_scaling
+    parallel = w.devices_per_replica > 1
+    nodes = w.pods_per_replica
     return {
         "model": m.path,
         "served-model-name": m.served_name or served_name,
@@ -86,6 +107,11 @@ def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any
         "kernels": sa.kernels,
         "ascend-temperature-floor": spec.sampling.ascend_temperature_floor,
         "shutdown-grace": SHUTDOWN_GRACE_S,
+        "tensor-parallel-size": w.devices_per_replica,
+        "expert-parallel": w.expert_parallel if parallel else None,
+        "collective-timeout": w.collective_timeout_seconds if parallel else None,
+        "nnodes": nodes if nodes > 1 else None,
+        "master-port": w.rendezvous_port if nodes > 1 else None,
     }
 
 
@@ -112,8 +138,8 @@ def _resources(w: Workers) -> dict[str, Any]:
     extended = ACCELERATOR_RESOURCE.get(w.accelerator)
     if extended:
         # Extended resources must have equal requests and limits.
-        res.setdefault("limits", {})[extended] = w.devices_per_replica
-        res.setdefault("requests", {})[extended] = w.devices_per_replica
+        res.setdefault("limits", {})[extended] = w.node_devices
+        res.setdefault("requests", {})[extended] = w.node_devices
     return res
 
 
@@ -124,19 +150,23 @@ def _env(w: Workers) -> list[dict[str, Any]]:
         {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
     ]
     if w.accelerator == "ascend-910b":
-        ring = w.ring_order if w.ring_order is not None else list(range(w.devices_per_replica))
+        # Only variables CANN documents. torch_npu builds the HCCL communicator from RANK_TABLE_FILE (rank-table
+        # mode), so the ring is the rank_id order the operator wrote; the worker waits for the table to be
+        # complete and hands torch_npu a regular-file copy of it (a ConfigMap file is a symbolic link, which
+        # torch_npu refuses).
         env += [
-            # CANN logs to stdout flood the node's log buffers on long runs (source material, 3.1).
+            # CANN logs to stdout flood the node's log buffers on long runs.
             {"name": "ASCEND_SLOG_PRINT_TO_STDOUT", "value": "0"},
             {"name": "RANK_TABLE_FILE", "value": f"{RANK_TABLE_DIR}/replica-$(POD_INDEX).json"},
             {"name": "RANK_SIZE", "value": str(w.devices_per_replica)},
-            # The ring is manual: ranks in hccl.json follow ringOrder; automatic topology discovery and
-            # asynchronous all-reduce are off (source material: deadlocks on long contexts otherwise).
-            {"name": "HCCL_RING_ORDER", "value": ",".join(str(r) for r in ring)},
-            {"name": "HCCL_ASYNC_ALLREDUCE", "value": "0"},
             {"name": "HCCL_CONNECT_TIMEOUT", "value": "1800"},
+            # how long a device waits for the others in a collective: the worker's collective timeout
+            {"name": "HCCL_EXEC_TIMEOUT", "value": str(w.collective_timeout_seconds)},
             {"name": "HCCL_WHITELIST_DISABLE", "value": "1"},
         ]
+        if w.ring_order is not None:
+            # a manual ring: the ring algorithm between servers (level0, inside a server, only takes NA)
+            env.append({"name": "HCCL_ALGO", "value": "level0:NA;level1:ring"})
     return env
 
 
@@ -165,26 +195,42 @@ def _volumes(instance: str, spec: GLM5DeploymentSpec) -> tuple[list[dict[str, An
 
 
 def worker_stateful_set(
-    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig
+    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, node_rank: int = 0
 ) -> dict[str, Any]:
+    """Node `node_rank` of every replica: pod i of it belongs to replica i. Node 0 serves; the others run
+    follower ranks only (no gRPC server, so no gRPC probes: their process exits when the replica fails)."""
     w = spec.workers
     volumes, mounts = _volumes(instance, spec)
     probe_period = 10
-    container = {
+    args = ["worker", "--config", f"{ENGINE_DIR}/{ENGINE_FILE}"]
+    multi_node = w.pods_per_replica > 1
+    if multi_node:
+        first = f"{worker_name(instance)}-$(POD_INDEX).{ranks_service_name(instance)}.{namespace}.svc"
+        args += ["--master-addr", first]
+    if node_rank > 0:
+        args += ["--node-rank", str(node_rank)]
+    container: dict[str, Any] = {
         "name": COMPONENT,
         "image": w.image or config.image,
         "imagePullPolicy": config.image_pull_policy,
-        "args": ["worker", "--config", f"{ENGINE_DIR}/{ENGINE_FILE}"],
+        "args": args,
         "ports": [{"name": "grpc", "containerPort": w.port, "protocol": "TCP"}],
         "env": _env(w),
         "resources": _resources(w),
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
-        # Loading a 744B checkpoint takes minutes: the startup probe holds liveness off until it is served.
-        "startupProbe": grpc_probe(w.port, probe_period, max(1, config.worker_startup_seconds // probe_period)),
-        "readinessProbe": grpc_probe(w.port, 5, 3),
-        "livenessProbe": grpc_probe(w.port, 20, 6),
     }
+    if node_rank == 0:
+        if multi_node:
+            container["ports"].append({"name": "rendezvous", "containerPort": w.rendezvous_port, "protocol": "TCP"})
+        # Loading a 744B checkpoint takes minutes: the startup probe holds liveness off until it is served.
+        container["startupProbe"] = grpc_probe(
+            w.port, probe_period, max(1, config.worker_startup_seconds // probe_period)
+        )
+        container["readinessProbe"] = grpc_probe(w.port, 5, 3)
+        container["livenessProbe"] = grpc_probe(w.port, 20, 6)
+    else:
+        del container["ports"]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
@@ -196,24 +242,47 @@ def worker_stateful_set(
         pod_spec["nodeSelector"] = dict(w.node_selector)
     if w.tolerations:
         pod_spec["tolerations"] = copy.deepcopy(w.tolerations)
+    component = node_component(node_rank)
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": metadata(worker_name(instance), namespace, instance, COMPONENT),
+        "metadata": metadata(worker_node_name(instance, node_rank), namespace, instance, component),
         "spec": {
             "replicas": w.replicas,
-            "serviceName": worker_name(instance),
+            # the first node's pods need DNS names before they are ready (the other nodes connect to them)
+            "serviceName": ranks_service_name(instance) if multi_node else worker_name(instance),
             # Replicas are independent rings: start and replace them in parallel.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
-            "selector": {"matchLabels": selector(instance, COMPONENT)},
+            "selector": {"matchLabels": selector(instance, component)},
             "template": {
                 "metadata": {
-                    "labels": labels(instance, COMPONENT),
+                    "labels": {**labels(instance, component), NODE_RANK_LABEL: str(node_rank)},
                     "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_settings(spec, instance))},
                 },
                 "spec": pod_spec,
             },
+        },
+    }
+
+
+def worker_stateful_sets(
+    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    return [worker_stateful_set(instance, namespace, spec, config, k) for k in range(spec.workers.pods_per_replica)]
+
+
+def ranks_service(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> dict[str, Any]:
+    """Headless, publishing pods before they are ready: the per-pod names other nodes rendezvous at."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(ranks_service_name(instance), namespace, instance, COMPONENT),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(instance, COMPONENT),
+            "ports": [{"name": "rendezvous", "port": spec.workers.rendezvous_port, "targetPort": "rendezvous"}],
         },
     }
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
+import torch
 from glm5.allocator import retain_freed_memory
+from glm5.devices import resolve_device
 from glm5.kernels import KERNEL_CHOICES
 
 from glm5_worker.config import EngineConfig, parse_bytes
+from glm5_worker.parallel.driver import threads_per_rank
+from glm5_worker.parallel.follower import run_follower_host
 from glm5_worker.server.app import serve_until_signal
 
 
@@ -51,6 +56,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain running requests")
+    t = p.add_argument_group("one replica over several devices (docs/scaling.md)")
+    t.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="devices (ranks) one model replica spans; the worker starts ranks 1..N-1 itself")  # fmt: skip
+    t.add_argument("--expert-parallel", action=argparse.BooleanOptionalAction, default=None,
+                   help="partition the routed experts over the ranks (default: on when the size is > 1); "
+                   "--no-expert-parallel splits every expert's intermediate dimension instead")  # fmt: skip
+    t.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts (pods) the replica spans")
+    t.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this host's index; hosts other than 0 run follower ranks only (no gRPC server)")  # fmt: skip
+    t.add_argument("--master-addr", default=d.master_addr, help="host of rank 0 (the first pod's DNS name)")
+    t.add_argument("--master-port", type=int, default=d.master_port, help="rank 0's rendezvous port (0: any)")
+    t.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s,
+                   help="seconds a collective may take before the replica is declared lost")  # fmt: skip
+    t.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s,
+                   help="seconds the ranks wait for each other to start and to load their shards")  # fmt: skip
     p.add_argument("--no-retain-host-memory", action="store_true",
                    help="let glibc give freed host memory back to the kernel (its default; each step then faults "
                    "its pages in again)")  # fmt: skip
@@ -86,11 +106,27 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         sparsity_widen_factor=a.sparsity_widen_factor,
         ascend_temperature_floor=a.ascend_temperature_floor,
         seed=a.seed,
+        tensor_parallel_size=a.tensor_parallel_size,
+        expert_parallel=a.expert_parallel,
+        nnodes=a.nnodes,
+        node_rank=a.node_rank,
+        master_addr=a.master_addr,
+        master_port=a.master_port,
+        collective_timeout_s=a.collective_timeout,
+        startup_timeout_s=a.startup_timeout,
     )
 
 
 def run(a: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Exits non-zero when the replica is lost (a rank died or hung), so the pod restarts."""
+    config = config_from_args(a)
+    rank = "rank0 " if config.tensor_parallel_size > 1 and config.node_rank == 0 else ""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")
     if not a.no_retain_host_memory:
         retain_freed_memory()  # before the model loads, so every later allocation follows it
-    asyncio.run(serve_until_signal(config_from_args(a), a.host, a.port, a.shutdown_grace))
+    threads = threads_per_rank(config) if config.tensor_parallel_size > 1 else 0
+    if threads and resolve_device(config.device).type == "cpu":
+        torch.set_num_threads(threads)  # the host's cores are shared by its ranks
+    if config.node_rank > 0:
+        sys.exit(run_follower_host(config, threads))
+    sys.exit(asyncio.run(serve_until_signal(config, a.host, a.port, a.shutdown_grace)))

@@ -50,6 +50,15 @@ class EngineConfig:
     ascend_temperature_floor: float = 0.35
     seed: int = 0
     jitter_window: int = 256
+    # one model replica over several devices (glm5_worker.parallel; docs/scaling.md)
+    tensor_parallel_size: int = 1  # ranks per replica, one device each
+    expert_parallel: bool | None = None  # routed experts partitioned over ranks; None: on when the size > 1
+    nnodes: int = 1  # hosts (pods) the replica spans; each runs tensor_parallel_size / nnodes ranks
+    node_rank: int = 0  # this host's index; ranks node_rank * local .. + local - 1
+    master_addr: str = "127.0.0.1"  # where rank 0 listens for the others (the first pod's DNS name)
+    master_port: int = 0  # 0: a free port (one host only)
+    collective_timeout_s: float = 120.0  # a collective (or the idle heartbeat) that takes longer fails the replica
+    startup_timeout_s: float = 1800.0  # ranks wait this long for each other to load their shards
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
@@ -83,6 +92,30 @@ class EngineConfig:
             raise ConfigError("sparsity_widen_factor must be >= 1; sparsity_patience, entropy_interval >= 1")
         if self.ascend_temperature_floor < 0:
             raise ConfigError("ascend_temperature_floor must be >= 0")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if n < 1:
+            raise ConfigError(f"--tensor-parallel-size must be >= 1, got {n}")
+        if self.nnodes < 1 or n % self.nnodes:
+            raise ConfigError(f"--nnodes ({self.nnodes}) must be >= 1 and divide --tensor-parallel-size ({n})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ConfigError("a replica over several hosts needs --master-port (all hosts must agree on it)")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"--master-port must be in [0, 65535], got {self.master_port}")
+        if self.collective_timeout_s <= 0 or self.startup_timeout_s <= 0:
+            raise ConfigError("--collective-timeout and --startup-timeout must be > 0 seconds")
+
+    @property
+    def is_expert_parallel(self) -> bool:
+        return self.expert_parallel if self.expert_parallel is not None else self.tensor_parallel_size > 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
 
 
 def parse_bytes(text: str) -> int | None:

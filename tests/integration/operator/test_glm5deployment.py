@@ -200,7 +200,8 @@ async def test_rank_table_flow_in_ring_order(cluster: Cluster) -> None:
     )
     container = cluster.obj("StatefulSet", "npu-worker")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["ASCEND_SLOG_PRINT_TO_STDOUT"] == "0" and env["HCCL_RING_ORDER"] == "0,2,3,1"
+    assert env["ASCEND_SLOG_PRINT_TO_STDOUT"] == "0" and env["HCCL_ALGO"] == "level0:NA;level1:ring"
+    assert "HCCL_RING_ORDER" not in env and "HCCL_ASYNC_ALLREDUCE" not in env  # not CANN variables
     assert env["RANK_TABLE_FILE"] == "/etc/glm5/ranktable/replica-$(POD_INDEX).json"
     assert container["resources"]["limits"]["huawei.com/Ascend910"] == 4
     tables = lambda: {k: json.loads(v) for k, v in cluster.obj("ConfigMap", "npu-ranktable")["data"].items()}  # noqa: E731
@@ -238,3 +239,33 @@ async def test_rank_table_flow_in_ring_order(cluster: Cluster) -> None:
     await eventually(lambda: cluster.condition("GLM5Deployment", "npu", "RankTableReady")["status"] == "True")  # type: ignore[index]
     assert {t["status"] for t in tables().values()} == {"completed"}
     assert cluster.obj("GLM5Deployment", "npu")["status"]["rankTables"] == {"0": "completed", "1": "completed"}
+
+
+TWO_NODES: dict[str, Any] = {
+    "model": {"path": "/models/glm5"},
+    "workers": {"replicas": 1, "accelerator": "ascend-910b", "devicesPerReplica": 4, "devicesPerNode": 2},
+}
+
+
+async def test_replica_over_two_pods_gets_one_rank_table(cluster: Cluster) -> None:
+    """Pod 0 of each node's StatefulSet is replica 0: the table lists node 0's devices as ranks 0-1 and node 1's
+    as ranks 2-3, the ranks `glm5 worker --node-rank k` runs (k * devicesPerNode + local)."""
+    await cluster.apply_cr("GLM5Deployment", "two", TWO_NODES)
+    await eventually(lambda: cluster.exists("StatefulSet", "two-worker-node1") and cluster.exists("ConfigMap",
+                     "two-ranktable") and cluster.exists("Service", "two-worker-ranks"))  # fmt: skip
+    first = cluster.obj("StatefulSet", "two-worker")["spec"]["template"]["metadata"]["labels"]
+    second = cluster.obj("StatefulSet", "two-worker-node1")["spec"]["template"]["metadata"]["labels"]
+    await cluster.create({**_pod(0, first), "metadata": {**_pod(0, first)["metadata"], "name": "two-worker-0"}})
+    node1 = _pod(1, second)
+    node1["metadata"].update(name="two-worker-node1-0", labels={**second, "apps.kubernetes.io/pod-index": "0"})
+    await cluster.create(node1)
+    table = lambda: json.loads(cluster.obj("ConfigMap", "two-ranktable")["data"]["replica-0.json"])  # noqa: E731
+    await cluster.patch("Pod", "two-worker-0", {"metadata": {"annotations": {ANNOTATION: _annotation(0, 2)}}})
+    await asyncio.sleep(0.3)
+    assert table()["status"] == "initializing"  # node 1 has not reported its devices yet
+    await cluster.patch("Pod", "two-worker-node1-0", {"metadata": {"annotations": {ANNOTATION: _annotation(1, 2)}}})
+    await eventually(lambda: table()["status"] == "completed", what="the two-node table completed")
+    servers = table()["server_list"]
+    assert [s["container_ip"] for s in servers] == ["10.0.0.10", "10.0.0.11"]
+    assert [[d["rank_id"] for d in s["device"]] for s in servers] == [["0", "1"], ["2", "3"]]
+    await eventually(lambda: cluster.condition("GLM5Deployment", "two", "RankTableReady")["status"] == "True")  # type: ignore[index]

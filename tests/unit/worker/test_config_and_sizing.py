@@ -9,9 +9,13 @@ import torch
 from glm5.errors import CapacityError, ConfigError
 from glm5.model.config import ModelConfig
 from glm5_worker.config import EngineConfig, parse_bytes
-from glm5_worker.kv.sizing import auto_bytes, per_token_bytes, plan_pool
+from glm5_worker.kv.sizing import CacheSpec, auto_bytes, per_token_bytes, plan_pool
 
 GLM5 = ModelConfig(indexer_types=["full"] * 78, mlp_layer_types=["dense"] * 3 + ["sparse"] * 75)
+
+
+def spec(max_model_len: int, max_num_seqs: int, int8_tier: bool) -> CacheSpec:
+    return CacheSpec(GLM5, torch.bfloat16, None, 64, max_model_len, max_num_seqs, 2048, 128, int8_tier)
 
 
 def test_mla_bytes_per_token_for_glm5() -> None:
@@ -22,17 +26,18 @@ def test_mla_bytes_per_token_for_glm5() -> None:
 
 def test_pool_plan_fails_early_when_one_sequence_cannot_fit() -> None:
     with pytest.raises(CapacityError, match="max_model_len=131072"):
-        plan_pool(GLM5, torch.bfloat16, 10 << 30, 64, 131072, 8, 2048, 128, int8_tier=False)
-    plan = plan_pool(GLM5, torch.bfloat16, 20 << 30, 64, 131072, 8, 2048, 128, int8_tier=True)
+        plan_pool(spec(131072, 8, int8_tier=False), 10 << 30)
+    plan = plan_pool(spec(131072, 8, int8_tier=True), 20 << 30)
     assert plan.capacity_tokens >= 131072 and plan.total_bytes <= 20 << 30
     assert plan.num_fp_blocks >= 8 * 4  # every running sequence's L1 window
 
 
 def test_auto_is_bounded_by_need_and_by_memory() -> None:
-    need_one = auto_bytes(GLM5, torch.bfloat16, 1 << 50, 0.9, None, 64, 4096, 1, 2048, 128, False)
+    need_one = auto_bytes(spec(4096, 1, False), 1 << 50, 0.9, None)
     assert need_one == 4096 * 109_824
-    assert auto_bytes(GLM5, torch.bfloat16, 1 << 50, 0.9, None, 64, 4096, 4, 2048, 128, False) == 4 * need_one
-    assert auto_bytes(GLM5, torch.bfloat16, 100 << 20, 0.5, None, 64, 4096, 4, 2048, 128, False) == 50 << 20
+    assert auto_bytes(spec(4096, 4, False), 1 << 50, 0.9, None) == 4 * need_one
+    assert auto_bytes(spec(4096, 4, False), 100 << 20, 0.5, None) == 50 << 20
+    assert auto_bytes(spec(4096, 4, False), 100 << 20, 0.5, 10 << 20) == 10 << 20
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 from glm5.errors import Glm5Error
 
 from glm5_worker.engine.engine import Engine, RequestOutput
-from glm5_worker.engine.sequence import FinishReason, SamplingParams
+from glm5_worker.engine.sequence import SamplingParams
+from glm5_worker.parallel.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,6 +32,10 @@ class EngineStopped(Glm5Error):
 
 class EngineFailure(Glm5Error):
     """The engine hit an internal error while running this request."""
+
+
+class ReplicaLost(Glm5Error):
+    """A rank of the replica failed: this worker serves nothing more and exits (its requests may be retried)."""
 
 
 _Item = RequestOutput | Exception
@@ -71,8 +76,11 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_fatal: Callable[[str], None] | None = None) -> None:
+        """`on_fatal(reason)` is called (on the engine thread) once the replica is lost."""
         self.engine = engine
+        self._on_fatal = on_fatal
+        self.fatal: str | None = None
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._accepting = True
@@ -91,30 +99,52 @@ class AsyncEngine:
             if fn is not None:
                 self._execute(fn, fut)
                 continue  # take every pending command before the next step
+            if self.fatal is not None:
+                continue
             if self.engine.has_work:
                 self._step()
+            else:
+                try:
+                    self.engine.idle()
+                except ReplicaFailure as exc:
+                    self._lose_replica(exc)
 
-    @staticmethod
-    def _execute(fn: Callable[[], Any], fut: Future[Any]) -> None:
+    def _execute(self, fn: Callable[[], Any], fut: Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
             return
         try:
             fut.set_result(fn())
         except BaseException as exc:
             fut.set_exception(exc)
+            if isinstance(exc, ReplicaFailure) and self.fatal is None:
+                self._lose_replica(exc)
+
+    def _fail_all(self, error: Exception) -> None:
+        failed: list[tuple[_Sink, _Item]] = []
+        for out in self.engine.abort_all(str(error)):
+            sink = self._sinks.pop(out.request_id, None)
+            if sink:
+                failed.append((sink, error))
+        _send(failed)
+
+    def _lose_replica(self, exc: ReplicaFailure) -> None:
+        """Every request in flight ends UNAVAILABLE, nothing new is taken, and the server is told to exit."""
+        log.error("replica lost: %s", exc)
+        self.fatal = str(exc)
+        self._accepting = False
+        self._fail_all(ReplicaLost(f"the worker's replica failed: {exc}"))
+        if self._on_fatal is not None:
+            self._on_fatal(self.fatal)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except ReplicaFailure as exc:
+            self._lose_replica(exc)
+            return
         except Exception as exc:
             log.exception("engine step failed; failing the requests in flight")
-            failed: list[tuple[_Sink, _Item]] = []
-            for request_id in list(self.engine.requests):
-                self.engine.abort(request_id)
-                sink = self._sinks.pop(request_id, None)
-                if sink:
-                    failed.append((sink, EngineFailure(f"internal engine error: {exc}")))
-            _send(failed)
+            self._fail_all(EngineFailure(f"internal engine error: {exc}"))
             return
         deliveries: list[tuple[_Sink, _Item]] = []
         for out in outputs:
@@ -198,31 +228,14 @@ class AsyncEngine:
 
     def _abort_all(self) -> None:
         aborted: list[tuple[_Sink, _Item]] = []
-        for seq in self.engine.scheduler.abort_all():
-            self.engine.requests.pop(seq.request_id, None)
-            sink = self._sinks.pop(seq.request_id, None)
+        for out in self.engine.abort_all("shutdown"):
+            sink = self._sinks.pop(out.request_id, None)
             if sink:
-                aborted.append(
-                    (
-                        sink,
-                        RequestOutput(
-                            seq.request_id,
-                            [],
-                            "",
-                            [],
-                            [],
-                            FinishReason.ABORT,
-                            "shutdown",
-                            len(seq.prompt_ids),
-                            len(seq.output_ids),
-                            seq.num_cached_prompt_tokens,
-                            self.engine.weight_version,
-                        ),
-                    )
-                )
+                aborted.append((sink, out))
         _send(aborted)
 
     def shutdown(self) -> None:
         self._accepting = False
         self._stop.set()
         self._thread.join(timeout=5)
+        self.engine.close()

@@ -11,6 +11,7 @@ from glm5.errors import CheckpointError, InvalidRequestError
 from glm5.model.config import ModelConfig
 from glm5.model.loader import load_model
 from glm5.model.model import GlmMoeDsaForCausalLM
+from glm5.parallel import SINGLE, TensorParallel
 from glm5.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -22,10 +23,16 @@ GEOMETRY = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 
 
 def read_checkpoint(
-    location: str, current: ModelConfig, dtype: torch.dtype, device: torch.device, fingerprint: str
+    location: str,
+    current: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    fingerprint: str,
+    tp: TensorParallel = SINGLE,
 ) -> GlmMoeDsaForCausalLM:
-    """The new weights as a model on the serving device (blocking: run it off the engine thread). A checkpoint
-    that ships a tokenizer must ship the served one: token ids would silently change meaning otherwise."""
+    """The new weights (this rank's shard) as a model on the serving device (blocking: run it off the engine
+    thread). A checkpoint that ships a tokenizer must ship the served one: token ids would silently change
+    meaning otherwise."""
     path = Path(location)
     if not location or not path.is_dir():
         raise InvalidRequestError("location", f"{location!r} is not a checkpoint directory this worker can read")
@@ -36,7 +43,7 @@ def read_checkpoint(
         raise CheckpointError(f"{location} has another geometry than the served model ({'; '.join(diff)})")
     if (path / "tokenizer.json").is_file() and Tokenizer(path).fingerprint != fingerprint:
         raise CheckpointError(f"{location} has another tokenizer than the served model (fingerprint differs)")
-    return load_model(path, dtype, device, rope=current.rope)
+    return load_model(path, dtype, device, rope=current.rope, tp=tp)
 
 
 @torch.no_grad()

@@ -76,6 +76,34 @@ def per_token_bytes(config: ModelConfig, dtype: torch.dtype, index_dtype: torch.
     return layout.fp_bytes_per_token(), layout.q_bytes_per_token()
 
 
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """Everything the pool's size depends on but the bytes it may take. Under tensor parallelism every rank
+    caches the whole latent of every token (the heads split, the latent does not), so this is per rank."""
+
+    model: ModelConfig
+    dtype: torch.dtype  # L1 latents and rope keys
+    index_dtype: torch.dtype | None  # L1 indexer keys (None: dtype)
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_chunk: int  # tokens one step may prefill
+    l1_tokens: int
+    int8_tier: bool
+
+    @property
+    def per_token(self) -> tuple[int, int]:
+        return per_token_bytes(self.model, self.dtype, self.index_dtype)
+
+    def bytes_for_one_sequence(self) -> int:
+        fp_tok, q_tok = self.per_token
+        blocks = -(-self.max_model_len // self.block_size)
+        if not self.int8_tier:
+            return blocks * self.block_size * fp_tok
+        l1 = l1_blocks_per_seq(self.block_size, self.l1_tokens) + l1_blocks_for_chunk(self.block_size, self.max_chunk)
+        return self.block_size * (l1 * fp_tok + blocks * q_tok)
+
+
 def l1_blocks_per_seq(block_size: int, l1_tokens: int) -> int:
     """L1 blocks one decoding sequence holds: its window, the block being filled, one awaiting demotion."""
     return -(-l1_tokens // block_size) + 2
@@ -86,67 +114,33 @@ def l1_blocks_for_chunk(block_size: int, max_chunk: int) -> int:
     return -(-max_chunk // block_size) + 1
 
 
-def plan_pool(
-    config: ModelConfig,
-    dtype: torch.dtype,
-    total_bytes: int,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    max_chunk: int,
-    l1_tokens: int,
-    int8_tier: bool,
-    index_dtype: torch.dtype | None = None,
-) -> PoolPlan:
+def plan_pool(spec: CacheSpec, total_bytes: int) -> PoolPlan:
     """Splits `total_bytes` into tiers; raises CapacityError if one max_model_len sequence cannot fit."""
-    fp_tok, q_tok = per_token_bytes(config, dtype, index_dtype)
-    need_one = _bytes_for_one_sequence(fp_tok, q_tok, block_size, max_model_len, max_chunk, l1_tokens, int8_tier)
+    fp_tok, q_tok = spec.per_token
+    need_one = spec.bytes_for_one_sequence()
     if total_bytes < need_one:
         raise CapacityError(
-            f"the KV cache needs {need_one / 2**20:.1f} MiB to hold one sequence of max_model_len={max_model_len} "
-            f"tokens ({fp_tok} B/token in L1"
-            + (f", {q_tok} B/token in the INT8 tier" if int8_tier else "")
+            f"the KV cache needs {need_one / 2**20:.1f} MiB to hold one sequence of max_model_len="
+            f"{spec.max_model_len} tokens ({fp_tok} B/token in L1"
+            + (f", {q_tok} B/token in the INT8 tier" if spec.int8_tier else "")
             + f") but only {total_bytes / 2**20:.1f} MiB are available; lower --max-model-len or raise "
             "--kv-cache-bytes"
         )
-    if not int8_tier:
-        return PoolPlan(total_bytes // (fp_tok * block_size), 0, fp_tok, q_tok, block_size)
+    bs = spec.block_size
+    if not spec.int8_tier:
+        return PoolPlan(total_bytes // (fp_tok * bs), 0, fp_tok, q_tok, bs)
     # L1 for every running sequence's window plus one step of prefill; at most half of the pool
-    min_fp = l1_blocks_per_seq(block_size, l1_tokens) + l1_blocks_for_chunk(block_size, max_chunk)
-    want_fp = max_num_seqs * l1_blocks_per_seq(block_size, l1_tokens) + l1_blocks_for_chunk(block_size, max_chunk)
-    half = total_bytes // 2 // (fp_tok * block_size)
+    per_seq, chunk = l1_blocks_per_seq(bs, spec.l1_tokens), l1_blocks_for_chunk(bs, spec.max_chunk)
+    min_fp, want_fp = per_seq + chunk, spec.max_num_seqs * per_seq + chunk
+    half = total_bytes // 2 // (fp_tok * bs)
     num_fp = max(min_fp, min(want_fp, half))
-    num_q = (total_bytes - num_fp * fp_tok * block_size) // (q_tok * block_size)
-    return PoolPlan(num_fp, int(num_q), fp_tok, q_tok, block_size)
+    num_q = (total_bytes - num_fp * fp_tok * bs) // (q_tok * bs)
+    return PoolPlan(num_fp, int(num_q), fp_tok, q_tok, bs)
 
 
-def _bytes_for_one_sequence(
-    fp_tok: int, q_tok: int, block_size: int, max_model_len: int, max_chunk: int, l1_tokens: int, int8_tier: bool
-) -> int:
-    blocks = -(-max_model_len // block_size)
-    if not int8_tier:
-        return blocks * block_size * fp_tok
-    l1 = l1_blocks_per_seq(block_size, l1_tokens) + l1_blocks_for_chunk(block_size, max_chunk)
-    return block_size * (l1 * fp_tok + blocks * q_tok)
-
-
-def auto_bytes(
-    config: ModelConfig,
-    dtype: torch.dtype,
-    available: int,
-    fraction: float,
-    cap: int | None,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    max_chunk: int,
-    l1_tokens: int,
-    int8_tier: bool,
-    index_dtype: torch.dtype | None = None,
-) -> int:
-    fp_tok, q_tok = per_token_bytes(config, dtype, index_dtype)
+def auto_bytes(spec: CacheSpec, available: int, fraction: float, cap: int | None) -> int:
+    """min(fraction x available (capped), what max_num_seqs sequences of max_model_len tokens need)."""
     budget = int(available * fraction)
     if cap is not None:
         budget = min(budget, cap)
-    one = _bytes_for_one_sequence(fp_tok, q_tok, block_size, max_model_len, max_chunk, l1_tokens, int8_tier)
-    return min(budget, one * max_num_seqs)
+    return min(budget, spec.bytes_for_one_sequence() * spec.max_num_seqs)

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from glm5.serving import new_server, start_serving
 from glm5.v1 import worker_pb2, worker_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from glm5_worker.config import EngineConfig
@@ -22,6 +23,7 @@ from glm5_worker.server.service import WorkerService
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+LOST_LINGER_S = 1.0
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
@@ -45,6 +47,7 @@ class WorkerServer:
     engine: AsyncEngine
     health: HealthServicer
     port: int
+    lost: asyncio.Event  # set once the replica failed: the worker must exit non-zero
 
     async def stop(self, grace: float) -> None:
         """Reports NOT_SERVING, lets running requests finish within `grace`, then stops."""
@@ -55,7 +58,14 @@ class WorkerServer:
 
 
 async def start_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50051) -> WorkerServer:
-    engine = AsyncEngine(await asyncio.to_thread(Engine, config))
+    loop = asyncio.get_running_loop()
+    lost = asyncio.Event()
+    holder: list[HealthServicer] = []
+
+    def on_fatal(reason: str) -> None:  # on the engine thread
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_not_serving(holder, lost)))
+
+    engine = AsyncEngine(await asyncio.to_thread(Engine, config), on_fatal)
     server = new_server([RequestIdInterceptor()])
     service = WorkerService(engine)
 
@@ -63,11 +73,24 @@ async def start_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 
         worker_pb2_grpc.add_WorkerServicer_to_server(service, s)  # type: ignore[no-untyped-call]
 
     health, bound = await start_serving(server, SERVICE_NAME, add, host, port)
+    holder.append(health)
+    if engine.fatal is not None:  # lost before the health service existed
+        await _not_serving(holder, lost)
     log.info("worker serving %s on %s:%d", engine.engine.served_model_name, host, bound)
-    return WorkerServer(server, engine, health, bound)
+    return WorkerServer(server, engine, health, bound, lost)
 
 
-async def serve_until_signal(config: EngineConfig, host: str, port: int, grace: float, **_: Any) -> None:
+async def _not_serving(holder: list[HealthServicer], lost: asyncio.Event) -> None:
+    """The replica is lost: health checks (the readiness and liveness probes) fail from now on."""
+    for health in holder:
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    lost.set()
+
+
+async def serve_until_signal(config: EngineConfig, host: str, port: int, grace: float, **_: Any) -> int:
+    """Serves until SIGINT/SIGTERM (exit code 0) or until the replica is lost (exit code 1: Kubernetes then
+    restarts the pod, and with it every rank)."""
     worker = await start_worker(config, host, port)
     print(f"glm5 worker listening on {host}:{worker.port} (model {worker.engine.engine.served_model_name})",
           flush=True)  # fmt: skip
@@ -75,6 +98,16 @@ async def serve_until_signal(config: EngineConfig, host: str, port: int, grace: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    stopped, lost = asyncio.ensure_future(stop.wait()), asyncio.ensure_future(worker.lost.wait())
+    await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+    if worker.lost.is_set():
+        log.error("replica lost (%s): exiting", worker.engine.fatal)
+        # the requests in flight have already ended UNAVAILABLE; for a moment health checks say NOT_SERVING
+        # (routers stop picking this worker) and the last messages leave, then the process exits
+        await asyncio.sleep(LOST_LINGER_S)
+        await worker.server.stop(1.0)
+        worker.engine.shutdown()
+        return 1
     log.info("shutting down: draining for up to %.0fs", grace)
     await worker.stop(grace)
+    return 0

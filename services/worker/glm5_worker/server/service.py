@@ -14,11 +14,12 @@ from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequ
 from glm5.serving import RequestFailed, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped
+from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped, ReplicaLost
 from glm5_worker.engine.engine import RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
 from glm5_worker.engine.structured import OutputFormat
 from glm5_worker.engine.weights import read_checkpoint
+from glm5_worker.parallel.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise RequestFailed(invalid, str(exc)) from None
         except CapacityError as exc:
             raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-        except EngineStopped as exc:
+        except (EngineStopped, ReplicaLost) as exc:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         except EngineFailure as exc:
             raise RequestFailed(grpc.StatusCode.INTERNAL, str(exc)) from None
@@ -152,7 +153,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetStats(
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
-        st = await self.engine.run(self.engine.engine.stats)
+        try:
+            st = await self.engine.run(self.engine.engine.stats)
+        except ReplicaFailure as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return worker_pb2.WorkerStats(
             kv_usage=st.kv.usage,
             kv_fragmentation=st.kv.fragmentation,
@@ -171,6 +175,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             ],
             generated_tokens_total=st.generated_tokens_total,
             mean_token_latency_ms=st.mean_token_latency_ms,
+            world_size=len(st.ranks),
+            ranks=[
+                worker_pb2.RankMemory(
+                    rank=m.rank,
+                    weight_bytes=m.weight_bytes,
+                    kv_bytes=m.kv_bytes,
+                    device_bytes=m.device_bytes,
+                    host_rss_bytes=m.host_rss_bytes,
+                )
+                for m in st.ranks
+            ],
         )
 
     async def GetModelInfo(
@@ -187,6 +202,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             device=str(e.device),
             weight_version=e.weight_version,
             tokenizer_fingerprint=e.tokenizer.fingerprint,
+            tensor_parallel_size=e.tp.size,
+            expert_parallel=e.tp.size > 1 and e.tp.expert_parallel,
         )
 
     async def Tokenize(
@@ -207,21 +224,25 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     f"version: must be greater than the served {served}, got {request.version}",
                 )
             start = time.perf_counter()
+            # the other ranks read their shards meanwhile; all swap, or none does
+            await self.engine.run(functools.partial(eng.start_weight_update, request.location))
+            new, failure = None, None
             try:
                 new = await asyncio.to_thread(
-                    read_checkpoint,
-                    request.location,
-                    eng.model_config,
-                    eng.dtype,
-                    eng.device,
-                    eng.tokenizer.fingerprint,
-                )
+                    read_checkpoint, request.location, eng.model_config, eng.dtype, eng.device,
+                    eng.tokenizer.fingerprint, eng.tp,
+                )  # fmt: skip
+            except (InvalidRequestError, CheckpointError, ConfigError) as exc:
+                failure = exc
+            load_s = time.perf_counter() - start
+            try:
+                swap_s = await self.engine.run(functools.partial(eng.swap_weights, new, request.version, failure))
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except (CheckpointError, ConfigError) as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"location: {exc}")
-            load_s = time.perf_counter() - start
-            swap_s = await self.engine.run(functools.partial(eng.swap_weights, new, request.version))
+            except ReplicaFailure as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         log.info("weights v%d from %s: read %.2fs, swap %.3fs", request.version, request.location, load_s, swap_s)
         return worker_pb2.UpdateWeightsResponse(version=request.version, load_seconds=load_s, swap_seconds=swap_s)
 

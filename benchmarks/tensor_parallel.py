@@ -1,0 +1,119 @@
+"""Decode speed of one replica on N = 1 and N = 2 ranks (tensor + expert parallel over gloo), same machine, same
+run, one thread per rank (N = 1: one thread too), and where a step's time goes.
+
+Each configuration serves `batch` requests of `prompt-len` random tokens, greedy, `new` tokens each; only steps
+in which every running request decodes are timed. Per decode step it reports, on rank 0: wall time, the time in
+the model's collectives (2 all-reduces per layer, the embedding's all-reduce, the logits' gather: this includes
+waiting for the slower rank), the time sending the step to the other rank, and the rest (compute); and the
+payload bytes handed to collectives per layer, next to the formula 2 x batch x hidden x dtype bytes.
+
+Usage: python benchmarks/tensor_parallel.py [--model DIR] [--batches 1,32] [--prompt-len 256] [--new 64]
+                                            [--sizes 1,2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from glm5.allocator import retain_freed_memory
+from glm5.model.presets import init_model
+from glm5_worker.config import EngineConfig
+from glm5_worker.engine.engine import Engine
+from glm5_worker.engine.sequence import SamplingParams
+
+
+def decode_only(engine: Engine) -> bool:
+    s = engine.scheduler
+    return not s.waiting and bool(s.running) and all(seq.num_uncomputed == 1 for seq in s.running)
+
+
+def run(model: Path, size: int, prompts: list[list[int]], new: int) -> dict[str, float]:
+    engine = Engine(
+        EngineConfig(
+            model=str(model), max_model_len=2048, kv_cache_bytes=256 << 20, max_num_seqs=64, kv_int8_tier=False,
+            tensor_parallel_size=size, collective_timeout_s=60,
+        )
+    )  # fmt: skip
+    try:
+        warm = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+        engine.add_request("warm", None, prompts[0][:32], warm)
+        while engine.has_work:
+            engine.step()
+        params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", None, p, params)
+        tp, control = engine.tp, engine.replica.control if engine.replica else None
+        steps, tokens, wall = 0, 0, 0.0
+        comm = ctrl = 0.0
+        comm_bytes = 0
+        while engine.has_work:
+            timed = decode_only(engine)
+            c0, b0, s0 = tp.comm.seconds, tp.comm.bytes, control.seconds if control else 0.0
+            start = time.perf_counter()
+            outs = engine.step()
+            if timed:
+                wall += time.perf_counter() - start
+                steps += 1
+                tokens += sum(len(o.token_ids) for o in outs)
+                comm += tp.comm.seconds - c0
+                comm_bytes += tp.comm.bytes - b0
+                ctrl += (control.seconds if control else 0.0) - s0
+        mc = engine.model_config
+        return {
+            "tok_s": tokens / wall,
+            "step_ms": wall / steps * 1e3,
+            "comm_ms": comm / steps * 1e3,
+            "control_ms": ctrl / steps * 1e3,
+            "bytes_layer": comm_bytes / steps / mc.num_hidden_layers,
+            "formula_layer": 2 * len(prompts) * mc.hidden_size * torch.tensor([], dtype=engine.dtype).element_size(),
+        }
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="checkpoint (default: a fresh tiny preset, seed 0)")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--sizes", default="1,2")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # followers: one thread each
+    torch.set_num_threads(1)  # rank 0 (and N = 1): one thread
+    retain_freed_memory()
+    model = Path(a.model) if a.model else init_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
+    sizes = [int(x) for x in a.sizes.split(",")]
+    print(f"decode, {model.name}, prompts {a.prompt_len} tokens, {a.new} new, greedy, float32, 1 thread per rank, "
+          f"gloo; medians of {a.repeats} runs alternating the sizes")  # fmt: skip
+    print(f"{'batch':>5} {'N':>2} {'tok/s':>8} {'vs N=1':>7} {'step ms':>8} {'collectives ms':>15} "
+          f"{'send step ms':>13} {'compute ms':>11} {'bytes/layer':>12} {'formula':>8}")  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    for b in (int(x) for x in a.batches.split(",")):
+        prompts = torch.randint(20, 1000, (b, a.prompt_len), generator=g).tolist()
+        results: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
+        for _ in range(a.repeats):
+            for n in sizes:
+                results[n].append(run(model, n, prompts, a.new))
+        base = statistics.median(r["tok_s"] for r in results[sizes[0]])
+        for n in sizes:
+            med = {k: statistics.median(r[k] for r in results[n]) for k in results[n][0]}
+            compute = med["step_ms"] - med["comm_ms"] - med["control_ms"]
+            formula = med["formula_layer"] if n > 1 else 0
+            print(
+                f"{b:>5} {n:>2} {med['tok_s']:>8.1f} {med['tok_s'] / base:>6.2f}x {med['step_ms']:>8.2f} "
+                f"{med['comm_ms']:>15.2f} {med['control_ms']:>13.2f} {compute:>11.2f} "
+                f"{med['bytes_layer']:>12,.0f} {formula:>8,.0f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""What every rank of a replica runs: its device, its model shard, its copy of the KV cache, and the forward step.
+
+Rank 0's engine decides each step (scheduler, block manager) and describes it as a `StepPlan`: plain lists of
+ints, small to send to the other ranks, which turn it into the same `ForwardBatch` on their own devices. A
+single-device worker is rank 0 of a replica of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from dataclasses import dataclass, field
+
+import torch
+from glm5.devices import available_memory
+from glm5.kernels import checked, kernels_for
+from glm5.kvcache.storage import PagedKVStorage
+from glm5.model.attention import DSAControls
+from glm5.model.batch import DecodeGroup, ForwardBatch, PrefillChunk
+from glm5.model.loader import load_model, weight_bytes
+from glm5.model.model import GlmMoeDsaForCausalLM
+from glm5.parallel import TensorParallel
+
+from glm5_worker.engine.weights import swap_in_place
+from glm5_worker.kv.sizing import PoolPlan, auto_bytes, make_layout, plan_pool
+from glm5_worker.resolved import ResolvedConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One forward step, as rank 0 decided it. Rows: decode tokens first, then each prefill chunk's tokens."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]  # L1 slot each new token is written to
+    decode_tables: list[list[int]]  # block table of each decoding sequence (empty: no decodes)
+    decode_lengths: list[int]  # tokens in context of each decoding sequence, including the new one
+    prefills: list[tuple[int, int, int, list[int]]]  # (first row, length, context_len, block table) per chunk
+    logits_rows: list[int]
+    layer_topk: list[int] | None = None
+    collect_entropy: bool = False
+    # L1 -> L2 block copies decided after the previous step; followers apply them before this step (rank 0
+    # already has)
+    demotions: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    rank: int
+    weight_bytes: int
+    kv_bytes: int
+    device_bytes: int  # allocated on the accelerator (0 on CPU)
+    host_rss_bytes: int  # peak resident set of the rank's process
+
+
+class ModelRunner:
+    def __init__(self, rc: ResolvedConfig, tp: TensorParallel, device: torch.device) -> None:
+        self.rc, self.tp = rc, tp
+        self.device = device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model: GlmMoeDsaForCausalLM = load_model(rc.model_dir, rc.dtype, self.device, rope=rc.model.rope, tp=tp)
+        self.weight_bytes = weight_bytes(self.model)
+        if tp.size > 1:
+            log.info("rank %d/%d: %.1f MiB of weights on %s", tp.rank, tp.size, self.weight_bytes / 2**20, self.device)
+        mc = rc.model
+        self.kernels = checked(
+            kernels_for(self.device, rc.engine.kernels), rc.engine.kernels, self.device,
+            (mc.num_attention_heads // tp.size, mc.kv_lora_rank, mc.qk_rope_head_dim, mc.index_n_heads,
+             mc.index_head_dim),
+            rc.dtype,
+        )  # fmt: skip
+        self.controls = DSAControls(
+            dense_warmup_tokens=rc.engine.dense_warmup_tokens,
+            paged_scoring_min_tokens=rc.engine.paged_scoring_min_tokens,
+        )
+        self.storage: PagedKVStorage | None = None
+
+    # KV cache -----------------------------------------------------------------------------------------------
+    def kv_budget(self) -> int:
+        """Bytes this rank can give the KV pool (after its weights are loaded)."""
+        c = self.rc.engine
+        if c.kv_cache_bytes is not None:
+            return c.kv_cache_bytes
+        is_cpu = self.device.type == "cpu"
+        # on one host the ranks share the host's memory: each may take its share of it
+        share = self.rc.engine.ranks_per_node if is_cpu else 1
+        return auto_bytes(
+            self.rc.cache, available_memory(self.device) // share, 0.5 if is_cpu else c.kv_memory_fraction,
+            c.kv_cpu_max_bytes if is_cpu else None,
+        )  # fmt: skip
+
+    def init_kv(self, total_bytes: int) -> PoolPlan:
+        """Allocates the pool; every rank of a replica must be given the same bytes (so the same plan)."""
+        plan = plan_pool(self.rc.cache, total_bytes)
+        spec = self.rc.cache
+        layout = make_layout(
+            spec.model, spec.block_size, plan.num_fp_blocks, plan.num_q_blocks, spec.dtype, self.device,
+            spec.index_dtype,
+        )  # fmt: skip
+        self.storage = PagedKVStorage(layout)
+        return plan
+
+    # the step -----------------------------------------------------------------------------------------------
+    def batch(self, plan: StepPlan) -> ForwardBatch:
+        dev = self.device
+        decode = None
+        if plan.decode_tables:
+            width = max(len(t) for t in plan.decode_tables)
+            tables = torch.zeros(len(plan.decode_tables), width, dtype=torch.long)
+            for i, table in enumerate(plan.decode_tables):
+                tables[i, : len(table)] = torch.tensor(table)
+            decode = DecodeGroup(
+                len(plan.decode_tables),
+                tables.to(dev),
+                torch.tensor(plan.decode_lengths, device=dev),
+                max(plan.decode_lengths),
+                tables=plan.decode_tables,
+                lengths=plan.decode_lengths,
+            )
+        prefills = [
+            PrefillChunk(start, length, ctx, torch.tensor(table, dtype=torch.long, device=dev))
+            for start, length, ctx, table in plan.prefills
+        ]
+        return ForwardBatch(
+            input_ids=torch.tensor(plan.input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(plan.positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=dev),
+            decode=decode,
+            prefills=prefills,
+            logits_rows=torch.tensor(plan.logits_rows, dtype=torch.long, device=dev),
+            layer_topk=plan.layer_topk,
+            collect_entropy=plan.collect_entropy,
+        )
+
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, float]]:
+        """Runs the step: logits (M, V) on rank 0 (a follower's own vocabulary slice elsewhere), and the
+        per-layer attention entropy when the plan asked for it."""
+        assert self.storage is not None, "init_kv first"
+        batch = self.batch(plan)
+        with torch.inference_mode():
+            logits = self.model(batch, self.storage, self.kernels, self.controls)
+        return logits, batch.entropy
+
+    def demote(self, copies: list[tuple[int, int]]) -> None:
+        """Copies L1 blocks into their L2 blocks (INT8), as the block manager decided."""
+        assert self.storage is not None
+        fp, q = zip(*copies, strict=True)
+        self.storage.demote(torch.tensor(fp, device=self.device), torch.tensor(q, device=self.device))
+
+    def swap_weights(self, new_model: GlmMoeDsaForCausalLM) -> None:
+        swap_in_place(self.model, new_model)
+
+    def memory(self) -> RankMemory:
+        device_bytes = int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
+        if self.device.type == "npu":
+            device_bytes = int(torch.npu.memory_allocated(self.device))  # type: ignore[attr-defined]
+        # ru_maxrss is in KiB on Linux
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if os.name == "posix" else 0
+        kv = self.storage.nbytes() if self.storage is not None else 0
+        return RankMemory(self.tp.rank, self.weight_bytes, kv, device_bytes, rss)

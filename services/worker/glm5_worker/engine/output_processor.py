@@ -1,0 +1,151 @@
+"""Rank 0 after each forward step: logits into tokens, tokens into sequences (stop rules, structured output,
+detokenisation), sequences into the outputs callers stream (vLLM's output processor / `update_from_output`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from glm5.tokenizer import Tokenizer
+
+from glm5_worker.engine.sampler import Sampler, token_logprob
+from glm5_worker.engine.scheduler import ScheduledStep
+from glm5_worker.engine.sequence import FinishReason, Sequence, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob]
+    finish_reason: FinishReason
+    stop_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    weight_version: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != FinishReason.NONE
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, sampler: Sampler, eos_token_ids: list[int], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.sampler = sampler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.generated_tokens_total = 0
+
+    def process(self, sched: ScheduledStep, logits: torch.Tensor, rows: dict[int, list[int]]) -> None:
+        """Advances the step's sequences past the tokens it computed and samples the next token of each
+        sequence whose prompt is done; `rows` maps id(seq) to its rows in `logits`."""
+        to_sample: list[Sequence] = []
+        sample_rows: list[int] = []
+        for seq in sched.decodes:
+            seq.num_computed_tokens += 1
+            to_sample.append(seq)
+            sample_rows.append(rows[id(seq)][0])
+        for seq, n in sched.prefills:
+            p0 = seq.num_computed_tokens
+            seq.num_computed_tokens += n
+            r = rows[id(seq)]
+            if seq.params.prompt_logprobs and r:
+                self._prompt_logprobs(seq, logits[r[0] : r[-1] + 1], p0)
+            if seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append(seq)
+                sample_rows.append(r[-1])
+        if to_sample:
+            picks = self.sampler.sample(logits[sample_rows], to_sample)
+            for seq, pick in zip(to_sample, picks, strict=True):
+                self._append_token(seq, pick)
+
+    def _prompt_logprobs(self, seq: Sequence, chunk_logits: torch.Tensor, p0: int) -> None:
+        lp = torch.log_softmax(chunk_logits.float(), dim=-1)
+        prompt = seq.prompt_ids
+        for i in range(lp.shape[0]):
+            target = p0 + i + 1
+            if target < len(prompt):
+                seq.prompt_logprobs.append(token_logprob(lp[i], prompt[target], seq.params.top_logprobs))
+
+    def _append_token(self, seq: Sequence, pick: TokenLogprob) -> None:
+        token = pick.token_id
+        params = seq.params
+        seq.output_ids.append(token)
+        seq.new_token_ids.append(token)
+        if params.logprobs:
+            seq.new_logprobs.append(pick)
+        self.generated_tokens_total += 1
+        grammar_done = self._advance_format(seq, token)
+        if not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, self.tokenizer.id_to_token(token) or str(token)
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = FinishReason.STOP, str(token)
+        else:
+            seq.pending_text += seq.detokenizer.add(token)
+            if seq.detokenizer.stopped_by is not None:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, seq.detokenizer.stopped_by
+            elif grammar_done:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, "structured_output"
+            elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = FinishReason.LENGTH
+        if seq.is_finished:
+            seq.pending_text += seq.detokenizer.flush()
+
+    @staticmethod
+    def _advance_format(seq: Sequence, token: int) -> bool:
+        """Feeds a sampled token to the sequence's format; True once the format is complete."""
+        fmt, matcher = seq.params.output_format, seq.matcher
+        if matcher is None or fmt is None:
+            return False
+        if seq.format_phase == "thinking":
+            if token == fmt.think_close:
+                seq.format_phase = "format"
+            return False
+        if seq.format_phase == "start":
+            if token == fmt.think_open:
+                seq.format_phase = "thinking"
+                return False
+            seq.format_phase = "format"
+        if not matcher.consume_token(token):
+            log.warning("%s: structured output stopped: %s", seq.request_id, matcher.get_error())
+            return True
+        return matcher.is_stopped()
+
+    @staticmethod
+    def drain(seq: Sequence, weight_version: int) -> RequestOutput | None:
+        """What the sequence produced since its last output (None if nothing)."""
+        pending_prompt = seq.params.prompt_logprobs and not seq.prompt_logprobs_sent and seq.output_ids
+        if not seq.new_token_ids and not seq.is_finished and not pending_prompt:
+            return None
+        out = RequestOutput(
+            request_id=seq.request_id,
+            token_ids=seq.new_token_ids,
+            text=seq.pending_text,
+            logprobs=seq.new_logprobs,
+            prompt_logprobs=seq.prompt_logprobs if pending_prompt else [],
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            cached_prompt_tokens=seq.num_cached_prompt_tokens,
+            weight_version=weight_version,
+        )
+        if pending_prompt:
+            seq.prompt_logprobs_sent = True
+        seq.new_token_ids, seq.new_logprobs, seq.pending_text = [], [], ""
+        return out
+
+    @staticmethod
+    def aborted(seq: Sequence, stop_reason: str, weight_version: int) -> RequestOutput:
+        """The final output of a sequence ended from outside (shutdown)."""
+        return RequestOutput(
+            seq.request_id, [], "", [], [], FinishReason.ABORT, stop_reason, len(seq.prompt_ids),
+            len(seq.output_ids), seq.num_cached_prompt_tokens, weight_version,
+        )  # fmt: skip
