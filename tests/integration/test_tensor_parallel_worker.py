@@ -170,3 +170,29 @@ def test_health_reports_not_serving_once_the_replica_is_lost(tiny_model: Path, t
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_replica_over_two_hosts(tiny_model: Path, tmp_path: Path, single_device_tokens: list[list[int]]) -> None:
+    """What the operator renders for a replica larger than a node: one `glm5 worker` per host, the second with
+    --node-rank 1 running follower ranks only (no gRPC server) and reaching rank 0 at --master-addr."""
+    rdzv = str(free_port())
+    two = ("--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", rdzv, "--master-addr", "127.0.0.1")
+    second_log = tmp_path / "node1.log"
+    with open(second_log, "w") as out:
+        second = subprocess.Popen(
+            [sys.executable, "-m", "glm5_cli", "worker", "--model", str(tiny_model), "--node-rank", "1", *two, *ARGS],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        first, target = start_worker(tiny_model, *two, *ARGS, log=tmp_path / "node0.log")
+        try:
+            assert greedy(target) == single_device_tokens
+            assert second.poll() is None
+        finally:
+            assert stop(first) == 0
+        # rank 0 stopped the replica: the other host's ranks exit cleanly
+        assert second.wait(timeout=30) == 0, second_log.read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()

@@ -31,13 +31,16 @@ async def _greedy(target: str, n: int = 12) -> tuple[list[int], set[int]]:
         return ids, versions
 
 
-def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("extra", [(), ("--tensor-parallel-size", "2")], ids=["one-device", "two-ranks"])
+def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path, extra: tuple[str, ...]) -> None:
+    """With two ranks every rank reads its own shard of the new checkpoint; a checkpoint any rank cannot read
+    changes nothing on any rank (the replica keeps serving the old weights)."""
     new_ckpt = init_model(tmp_path / "tiny-seed1", preset="tiny", seed=1)
     other_tokenizer = init_model(tmp_path / "tiny-seed2", preset="tiny", seed=2)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # RL updates keep the tokenizer
         shutil.copy(tiny_model / name, new_ckpt / name)
     other = init_model(tmp_path / "shallow", preset="tiny-shallow", seed=0)
-    proc, target = start_worker(tiny_model, *FLAGS)
+    proc, target = start_worker(tiny_model, *FLAGS, *extra)
     ref_proc, ref_target = start_worker(new_ckpt, *FLAGS)  # what the new weights must produce
 
     async def go() -> None:
@@ -83,5 +86,5 @@ def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path) ->
     try:
         asyncio.run(go())
     finally:
-        stop(proc)
+        assert stop(proc) == 0
         stop(ref_proc)
