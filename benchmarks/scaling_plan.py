@@ -137,7 +137,8 @@ def plan(c: dict, dev: Device, n: int, batch: int, context: int, weights: str, k
     collectives = 2 * L + 2
     t_link = (collectives * dev.collective_us * 1e-6 + wire / (dev.link_gbps * 1e9)) if n > 1 else 0.0
     print(f"\n{dev.name} x {n}, batch {batch}, context {context:,} tokens, KV cache {kv}")
-    print(f"  model: {p.total / 1e9:,.1f}B parameters (MTP layers not counted: not used for serving)")
+    size = f"{p.total / 1e9:,.1f}B" if p.total >= 1e9 else f"{p.total / 1e6:,.2f}M"
+    print(f"  model: {size} parameters (MTP layers not counted: not used for serving)")
     print(f"  KV per token per rank: {kv_token:,.0f} B; at {context:,} tokens: {kv_token * context / 2**30:.2f} GiB "
           f"per sequence (every rank holds all of it)")  # fmt: skip
     print(f"  collectives per decode step: {collectives} ({2 * L} all-reduces of batch x hidden, the embedding's, "

@@ -5,7 +5,12 @@ Each configuration serves `batch` requests of `prompt-len` random tokens, greedy
 in which every running request decodes are timed. Per decode step it reports, on rank 0: wall time, the time in
 the model's collectives (2 all-reduces per layer, the embedding's all-reduce, the logits' gather: this includes
 waiting for the slower rank), the time sending the step to the other rank, and the rest (compute); and the
-payload bytes handed to collectives per layer, next to the formula 2 x batch x hidden x dtype bytes.
+payload bytes handed to collectives per step, next to the formula
+    L x 2 x B x hidden x b   (two all-reduces per layer)  +  B x hidden x b  (embedding)  +  B x V/N x 4  (logits)
+with B the batch, b the activation dtype's bytes, V the vocabulary.
+
+It first times the all-reduce alone (2 processes, one thread each, nothing else running): what
+benchmarks/scaling_plan.py takes as --collective-us to predict the N = 2 run.
 
 Usage: python benchmarks/tensor_parallel.py [--model DIR] [--batches 1,32] [--prompt-len 256] [--new 64]
                                             [--sizes 1,2] [--repeats 3]
@@ -14,18 +19,63 @@ Usage: python benchmarks/tensor_parallel.py [--model DIR] [--batches 1,32] [--pr
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from glm5.allocator import retain_freed_memory
 from glm5.model.presets import init_model
+from glm5.parallel import TensorParallel
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
+
+
+def _formula(batch: int, layers: int, hidden: int, vocab: int, size: int, b: int) -> int:
+    if size == 1:
+        return 0
+    return layers * 2 * batch * hidden * b + batch * hidden * b + batch * vocab // size * 4
+
+
+def _allreduce_us(rank: int, world: int, numel: int, by_gather: bool, out: mp.Queue[float]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['GLM5_BENCH_PORT']}", rank=rank,
+                            world_size=world)  # fmt: skip
+    tp = TensorParallel(rank, world, reduce_by_gather=by_gather)
+    x = torch.ones(numel)
+    for _ in range(100):
+        tp.all_reduce(x)
+    times = []
+    for _ in range(1000):
+        start = time.perf_counter()
+        tp.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times) * 1e6)
+    dist.destroy_process_group()
+
+
+def allreduce_latency(numel: int, by_gather: bool, world: int = 2) -> float:
+    """Median microseconds of one all-reduce of `numel` float32 between `world` local processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["GLM5_BENCH_PORT"] = str(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    out: mp.Queue[float] = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_us, args=(r, world, numel, by_gather, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    return float(result)
 
 
 def decode_only(engine: Engine) -> bool:
@@ -70,8 +120,15 @@ def run(model: Path, size: int, prompts: list[list[int]], new: int) -> dict[str,
             "step_ms": wall / steps * 1e3,
             "comm_ms": comm / steps * 1e3,
             "control_ms": ctrl / steps * 1e3,
-            "bytes_layer": comm_bytes / steps / mc.num_hidden_layers,
-            "formula_layer": 2 * len(prompts) * mc.hidden_size * torch.tensor([], dtype=engine.dtype).element_size(),
+            "bytes_step": comm_bytes / steps,
+            "formula_step": _formula(
+                len(prompts),
+                mc.num_hidden_layers,
+                mc.hidden_size,
+                mc.vocab_size,
+                size,
+                torch.tensor([], dtype=engine.dtype).element_size(),
+            ),
         }
     finally:
         engine.close()
@@ -91,10 +148,15 @@ def main() -> None:
     retain_freed_memory()
     model = Path(a.model) if a.model else init_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
     sizes = [int(x) for x in a.sizes.split(",")]
+    hidden = json.loads((model / "config.json").read_text())["hidden_size"]
+    print("all-reduce alone, 2 processes, 1 thread each (median us):")
+    for b in (int(x) for x in a.batches.split(",")):
+        gather, ring = allreduce_latency(b * hidden, True), allreduce_latency(b * hidden, False)
+        print(f"  {b} x {hidden} float32: all-gather + sum {gather:,.0f} us, gloo all_reduce {ring:,.0f} us")
     print(f"decode, {model.name}, prompts {a.prompt_len} tokens, {a.new} new, greedy, float32, 1 thread per rank, "
           f"gloo; medians of {a.repeats} runs alternating the sizes")  # fmt: skip
     print(f"{'batch':>5} {'N':>2} {'tok/s':>8} {'vs N=1':>7} {'step ms':>8} {'collectives ms':>15} "
-          f"{'send step ms':>13} {'compute ms':>11} {'bytes/layer':>12} {'formula':>8}")  # fmt: skip
+          f"{'send step ms':>13} {'compute ms':>11} {'bytes/step':>11} {'formula':>8}")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for b in (int(x) for x in a.batches.split(",")):
         prompts = torch.randint(20, 1000, (b, a.prompt_len), generator=g).tolist()
@@ -106,11 +168,10 @@ def main() -> None:
         for n in sizes:
             med = {k: statistics.median(r[k] for r in results[n]) for k in results[n][0]}
             compute = med["step_ms"] - med["comm_ms"] - med["control_ms"]
-            formula = med["formula_layer"] if n > 1 else 0
             print(
                 f"{b:>5} {n:>2} {med['tok_s']:>8.1f} {med['tok_s'] / base:>6.2f}x {med['step_ms']:>8.2f} "
                 f"{med['comm_ms']:>15.2f} {med['control_ms']:>13.2f} {compute:>11.2f} "
-                f"{med['bytes_layer']:>12,.0f} {formula:>8,.0f}",
+                f"{med['bytes_step']:>11,.0f} {med['formula_step']:>8,.0f}",
                 flush=True,
             )
 

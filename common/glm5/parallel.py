@@ -46,6 +46,9 @@ class TensorParallel:
     expert_parallel: bool = True
     group: Any = None  # the torch.distributed process group of the replica's devices (None: the default one)
     comm: CommStats = field(default_factory=CommStats)
+    # all-reduce as an all-gather plus a sum in rank order: gloo's own all-reduce took 1.1-1.7 ms for any size
+    # up to 256 KiB between two local processes here, its all-gather 0.3 ms (the sum is the same on every rank)
+    reduce_by_gather: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -61,7 +64,15 @@ class TensorParallel:
         if self.size == 1:
             return x
         start = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.reduce_by_gather:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+        else:
+            dist.all_reduce(x, group=self.group)
         self._count(x, start)
         return x
 

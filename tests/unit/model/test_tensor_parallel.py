@@ -44,10 +44,10 @@ def _run(model: torch.nn.Module, ids: list[int]) -> tuple[list[torch.Tensor], li
     return logits, picks
 
 
-def _rank(rank: int, world: int, path: str, expert_parallel: bool) -> dict[str, Any]:
+def _rank(rank: int, world: int, path: str, expert_parallel: bool, by_gather: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    tp = TensorParallel(rank, world, expert_parallel)
+    tp = TensorParallel(rank, world, expert_parallel, reduce_by_gather=by_gather)
     model = load_model(path, tp=tp)
     logits, picks = _run(model, _ids(model.config.vocab_size))
     names = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -56,11 +56,13 @@ def _rank(rank: int, world: int, path: str, expert_parallel: bool) -> dict[str, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "expert_parallel"), [(2, True), (4, True), (2, False)])
-def test_sharded_model_matches_one_device(checkpoint: Path, world: int, expert_parallel: bool) -> None:
+@pytest.mark.parametrize(
+    ("world", "expert_parallel", "by_gather"), [(2, True, False), (4, True, True), (2, False, False), (2, True, True)]
+)
+def test_sharded_model_matches_one_device(checkpoint: Path, world: int, expert_parallel: bool, by_gather: bool) -> None:
     single = load_model(checkpoint)
     ref_logits, ref_picks = _run(single, _ids(single.config.vocab_size))
-    ranks = run_ranks(_rank, world, str(checkpoint), expert_parallel)
+    ranks = run_ranks(_rank, world, str(checkpoint), expert_parallel, by_gather)
     for step, (got, want) in enumerate(zip(ranks[0]["logits"], ref_logits, strict=True)):
         assert got.shape == want.shape
         assert (got - want).abs().max().item() <= 1e-5, f"step {step}"

@@ -92,6 +92,8 @@ class ReplicaDriver:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=1)
+        if all(proc.exitcode == 0 for proc in self.followers):
+            self.replica.close()  # with a lost peer, tearing the groups down can block: the process exits anyway
 
     def _send(self, msg: Message) -> None:
         start = time.perf_counter()

@@ -137,7 +137,7 @@ def join(config: EngineConfig, rank: int, device: torch.device, store: Any) -> R
         else:
             torch.npu.set_device(device)  # type: ignore[attr-defined]
         device_group = dist.new_group(backend=backend, timeout=collective)
-    tp = TensorParallel(rank, n, config.is_expert_parallel, device_group)
+    tp = TensorParallel(rank, n, config.is_expert_parallel, device_group, reduce_by_gather=backend == "gloo")
     log.info("rank %d/%d joined (%s on %s, control over gloo)", rank, n, backend, device)
     return Replica(tp, Channel(dist.group.WORLD, control), config, device)
 
