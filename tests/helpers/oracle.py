@@ -74,24 +74,26 @@ class SimpleRunner:
 
     def __init__(self, model: GlmMoeDsaForCausalLM, max_tokens: int, block_size: int = 16, warmup: int = 0):
         c = model.config
+        self.device = dev = next(model.parameters()).device
         blocks = -(-max_tokens // block_size)
         index_layers = {layer: i for i, layer in enumerate(c.full_indexer_layers)}
         layout = KVLayout(
             c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim,
             tuple(index_layers.get(i, -1) for i in range(c.num_hidden_layers)), block_size, blocks, 0,
-            next(model.parameters()).dtype, torch.device("cpu"),
+            next(model.parameters()).dtype, dev,
         )  # fmt: skip
         self.model, self.storage = model, PagedKVStorage(layout)
-        self.table = torch.arange(blocks)
+        self.table = torch.arange(blocks, device=dev)
         self.controls = DSAControls(dense_warmup_tokens=warmup)
         self.kernels = RecordingKernels()
         self.length = 0
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        n, p0 = ids.shape[0], self.length
-        pos = torch.arange(p0, p0 + n)
-        batch = ForwardBatch(ids, pos, pos, None, [PrefillChunk(0, n, p0 + n, self.table)], torch.arange(n))
+        n, p0, dev = ids.shape[0], self.length, self.device
+        pos = torch.arange(p0, p0 + n, device=dev)
+        chunk = PrefillChunk(0, n, p0 + n, self.table)
+        batch = ForwardBatch(ids.to(dev), pos, pos, None, [chunk], torch.arange(n, device=dev))
         self.length += n
         return self.model(batch, self.storage, self.kernels, self.controls)
 
@@ -99,7 +101,8 @@ class SimpleRunner:
     def decode(self, token: int) -> torch.Tensor:
         p = self.length
         self.length += 1
-        pos = torch.tensor([p])
-        group = DecodeGroup(1, self.table[None], torch.tensor([p + 1]), p + 1)
-        batch = ForwardBatch(torch.tensor([token]), pos, pos, group, [], torch.tensor([0]))
+        dev = self.device
+        pos = torch.tensor([p], device=dev)
+        group = DecodeGroup(1, self.table[None], torch.tensor([p + 1], device=dev), p + 1)
+        batch = ForwardBatch(torch.tensor([token], device=dev), pos, pos, group, [], torch.tensor([0], device=dev))
         return self.model(batch, self.storage, self.kernels, self.controls)[0]

@@ -19,14 +19,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], out: Any, backend: str
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )  # fmt: skip
         # plain pickle bytes: torch.multiprocessing would share tensors through this process's memory, gone once
@@ -38,12 +42,17 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         out.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """fn(rank, world, *args) on `world` processes; returns the results in rank order, raises on any failure."""
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240.0, backend: str = "gloo"
+) -> list[Any]:
+    """fn(rank, world, *args) on `world` processes (nccl: rank r on cuda:r); returns the results in rank order,
+    raises on any failure."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, out, backend), daemon=True) for r in range(world)
+    ]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     for p in procs:
         p.start()

@@ -35,20 +35,22 @@ def _ids(vocab: int) -> list[int]:
 
 
 def _run(model: torch.nn.Module, ids: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prefill logits then one decode step per remaining id; every top-k call's (indices, valid)."""
+    """Prefill logits then one decode step per remaining id; every top-k call's (indices, valid); on the CPU."""
     runner = SimpleRunner(model, len(ids))
-    logits = [runner.prefill(torch.tensor(ids[:PROMPT]))]
+    logits = [runner.prefill(torch.tensor(ids[:PROMPT])).cpu()]
     for token in ids[PROMPT:]:
-        logits.append(runner.decode(token)[None])
-    picks = [torch.where(valid, idx, -1).sort(dim=-1).values for idx, valid in runner.kernels.calls]
+        logits.append(runner.decode(token)[None].cpu())
+    picks = [torch.where(valid, idx, -1).sort(dim=-1).values.cpu() for idx, valid in runner.kernels.calls]
     return logits, picks
 
 
-def _rank(rank: int, world: int, path: str, expert_parallel: bool, by_gather: bool) -> dict[str, Any]:
+def _rank(
+    rank: int, world: int, path: str, expert_parallel: bool, by_gather: bool, device: str = "cpu"
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     tp = TensorParallel(rank, world, expert_parallel, reduce_by_gather=by_gather)
-    model = load_model(path, tp=tp)
+    model = load_model(path, device=f"cuda:{rank}" if device == "cuda" else "cpu", tp=tp)
     logits, picks = _run(model, _ids(model.config.vocab_size))
     names = {n: tuple(p.shape) for n, p in model.named_parameters()}
     return {"logits": logits if rank == 0 else None, "picks": picks, "bytes": weight_bytes(model), "shapes": names,
@@ -86,6 +88,19 @@ def test_sharded_model_matches_one_device(checkpoint: Path, world: int, expert_p
     # 2 all-reduces per layer + the embedding's + the logits' gather, per step
     steps = 1 + DECODES
     assert ranks[0]["calls"] == steps * (2 * single.config.num_hidden_layers + 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_sharded_model_over_nccl_matches_one_gpu(checkpoint: Path) -> None:
+    """The same model over NCCL, one GPU per rank (scripts/device-check runs it where a task has 2+ GPUs)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    single = load_model(checkpoint, device="cuda:0")
+    ref_logits, _ = _run(single, _ids(single.config.vocab_size))
+    ranks = run_ranks(_rank, 2, str(checkpoint), True, False, "cuda", backend="nccl")
+    for got, want in zip(ranks[0]["logits"], ref_logits, strict=True):
+        assert (got - want).abs().max().item() <= 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(ranks[1]["picks"], ranks[0]["picks"], strict=True))
 
 
 def test_sizes_that_do_not_divide_are_named() -> None:
