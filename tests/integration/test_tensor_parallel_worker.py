@@ -196,3 +196,23 @@ def test_replica_over_two_hosts(tiny_model: Path, tmp_path: Path, single_device_
         if second.poll() is None:
             second.kill()
             second.wait()
+
+
+def test_follower_never_outlives_rank_0(tiny_model: Path, tmp_path: Path) -> None:
+    proc, _ = start_worker(tiny_model, *ARGS, "--tensor-parallel-size", "2", log=tmp_path / "worker.log")
+    (follower,) = followers_of(proc.pid)
+    proc.kill()  # SIGKILL: rank 0 gets no chance to stop its followers
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(follower):
+        time.sleep(0.1)
+    assert not _alive(follower), "a follower outlived its rank 0"
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a parent that may never reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

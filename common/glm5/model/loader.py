@@ -10,6 +10,7 @@ tensor's rows or columns, its own experts, never the whole checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -75,6 +76,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     if not found:
         raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
     return found
+
+
+class _NoBar(contextlib.nullcontext[None]):
+    def update(self, n: int) -> None:
+        pass
 
 
 class _Lazy:
@@ -155,7 +161,9 @@ def load_model(
     total = sum(f.stat().st_size for f in files)
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
     desc = "loading weights" if tp.size == 1 else f"loading weights (rank {tp.rank})"
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show)
+    # built only when shown: any tqdm creates a multiprocessing lock, which a rank process that ends with
+    # os._exit leaves behind for the resource tracker to warn about
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc) if show else _NoBar()
     with torch.no_grad(), bar:
         for name, lazy in _iter_tensors(files):
             bar.update(lazy.nbytes)  # scanned, whether this rank reads it all, a part or nothing

@@ -62,7 +62,9 @@ class ModelRunner:
         self.device = device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model: GlmMoeDsaForCausalLM = load_model(rc.model_dir, rc.dtype, self.device, rope=rc.model.rope, tp=tp)
+        self.model: GlmMoeDsaForCausalLM = load_model(
+            rc.model_dir, rc.dtype, self.device, progress=None if tp.is_first else False, rope=rc.model.rope, tp=tp
+        )  # one progress bar per replica: rank 0's
         self.weight_bytes = weight_bytes(self.model)
         if tp.size > 1:
             log.info("rank %d/%d: %.1f MiB of weights on %s", tp.rank, tp.size, self.weight_bytes / 2**20, self.device)

@@ -7,6 +7,7 @@ engine fails what is in flight and the worker exits non-zero, so Kubernetes rest
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -20,16 +21,18 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.model_runner import RankMemory, StepPlan
 from glm5_worker.parallel.follower import STOP_WAIT_S, WeightsOutcome, spawn_followers
 from glm5_worker.parallel.protocol import LoadWeights, Message, Stats, Step, Stop, SwapWeights, Tick
-from glm5_worker.parallel.replica import Replica, ReplicaFailure, join, rendezvous, wait_for_ranks
+from glm5_worker.parallel.replica import (
+    Replica,
+    ReplicaFailure,
+    join,
+    loopback_only,
+    rendezvous,
+    use_loopback_for_gloo,
+    wait_for_ranks,
+)
 from glm5_worker.resolved import ResolvedConfig
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def threads_per_rank(config: EngineConfig) -> int:
@@ -41,9 +44,10 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 class ReplicaDriver:
-    def __init__(self, replica: Replica, followers: list[BaseProcess]) -> None:
+    def __init__(self, replica: Replica, followers: list[BaseProcess], listener: socket.socket | None = None) -> None:
         self.replica = replica
         self.followers = followers
+        self._listener = listener  # the rendezvous store serves on it: it must stay open
         self.heartbeat_s = min(5.0, replica.config.collective_timeout_s / 4)
         self._last_sent = time.monotonic()
         self._closed = False
@@ -114,7 +118,14 @@ class ReplicaDriver:
 def start_replica(rc: ResolvedConfig) -> ReplicaDriver:
     """Rank 0 on the first host: starts this host's other ranks, waits for every rank of the replica, joins."""
     config = rc.engine
-    port = config.master_port or free_port()
+    listener = None
+    if loopback_only(config):
+        use_loopback_for_gloo()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", config.master_port))  # port 0: any free one
+        listener.listen(128)
+        config = dataclasses.replace(config, master_addr="127.0.0.1")
+    port = listener.getsockname()[1] if listener is not None else config.master_port
     followers = spawn_followers(config, port, first_local=1, threads=threads_per_rank(config))
     driver_followers = followers
 
@@ -124,11 +135,11 @@ def start_replica(rc: ResolvedConfig) -> ReplicaDriver:
                 raise ReplicaFailure(f"{proc.name} exited with code {proc.exitcode} while starting")
 
     try:
-        store = rendezvous(config, 0, port)
+        store = rendezvous(config, 0, port, listener)
         wait_for_ranks(store, config.tensor_parallel_size, config.startup_timeout_s, check)
         replica = join(config, 0, rc.device_for(0), store)
     except BaseException:
         for proc in followers:
             proc.kill()
         raise
-    return ReplicaDriver(replica, followers)
+    return ReplicaDriver(replica, followers, listener)

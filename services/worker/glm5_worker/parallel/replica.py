@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -88,12 +89,26 @@ class Channel:
         return int(t.item())
 
 
-def rendezvous(config: EngineConfig, rank: int, port: int) -> Any:
-    """The replica's TCP store. Rank 0 hosts it; the others connect (retrying until --startup-timeout)."""
+def rendezvous(config: EngineConfig, rank: int, port: int, listener: socket.socket | None = None) -> Any:
+    """The replica's TCP store. Rank 0 hosts it (on `listener` when given: a loopback socket for a replica on
+    one host, since the store itself would listen on every interface); the others connect, retrying until
+    --startup-timeout."""
     return torch._C._distributed_c10d.TCPStore(
         config.master_addr, port, config.tensor_parallel_size, is_master=rank == 0,
         timeout=datetime.timedelta(seconds=config.startup_timeout_s), wait_for_workers=False,
+        master_listen_fd=listener.fileno() if listener is not None else None,
     )  # fmt: skip
+
+
+def loopback_only(config: EngineConfig) -> bool:
+    """A replica on one host keeps its rendezvous and its gloo traffic on the loopback interface."""
+    return config.nnodes == 1
+
+
+def use_loopback_for_gloo() -> None:
+    """gloo picks an interface from the host name, which in a pod is its cluster address: on one host, the
+    replica's tensors have no business there (set before any process group exists; spawned ranks inherit it)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 def wait_for_ranks(store: Any, world_size: int, timeout_s: float, check: Callable[[], None]) -> None:
