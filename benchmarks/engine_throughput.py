@@ -5,7 +5,10 @@ wall time of the whole batch (prefill included). Our engine runs with its defaul
 (off here so outputs can be compared token for token; a second row shows the tier on).
 
 Usage: python benchmarks/engine_throughput.py [--batches 1,8,32] [--prompt-len 1024] [--new 128]
-                                              [--allocator retain|system]
+                                              [--allocator retain|system] [--ours-only]
+
+--ours-only times our engine alone (one line per batch: tokens/s): run it alternately from two checkouts
+(PYTHONPATH=OTHER/common:OTHER/services/worker) to compare two versions of the engine.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def main() -> None:
         choices=["retain", "system"],
         help="retain: keep freed host memory in the process, as the worker does (glm5.allocator)",
     )
+    ap.add_argument("--ours-only", action="store_true", help="time our engine only (INT8 tier off)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.allocator == "retain":
@@ -100,6 +104,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     for b in (int(x) for x in a.batches.split(",")):
         prompts = torch.randint(20, 1000, (b, a.prompt_len), generator=g).tolist()
+        if a.ours_only:
+            t_ours, _ = ours(model, prompts, a.new, int8_tier=False)
+            print(f"{b:>5} {b * a.new / t_ours:>11.1f}", flush=True)
+            continue
         t_ref, ref, consistent = reference(model, prompts, a.new)
         t_ours, got = ours(model, prompts, a.new, int8_tier=False)
         t_q, got_q = ours(model, prompts, a.new, int8_tier=True)

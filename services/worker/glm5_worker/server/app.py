@@ -23,7 +23,7 @@ from glm5_worker.server.service import WorkerService
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-LOST_LINGER_S = 1.0
+LOST_LINGER_S = 2.0
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
