@@ -19,6 +19,7 @@ from glm5.kvcache.storage import PagedKVStorage
 from glm5.model.batch import DecodeGroup, ForwardBatch
 from glm5.model.config import ModelConfig
 from glm5.model.norms import RMSNorm
+from glm5.model.quant import dense_weight
 from glm5.model.rope import apply_interleaved
 from glm5.parallel import SINGLE, TensorParallel
 
@@ -114,8 +115,10 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.indexer = Indexer(config) if index_layer >= 0 else None
 
-    def _w_kv_b(self) -> torch.Tensor:
-        return self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+    def _w_kv_b(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b_proj's weight per head (absorbed attention multiplies by it directly): (H, nope + v, C)."""
+        w = dense_weight(self.kv_b_proj, dtype)
+        return w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
 
     def forward(
         self,
@@ -146,7 +149,7 @@ class MLAttention(nn.Module):
         elif prev is None:
             raise ValueError(f"layer {self.layer_idx} shares top-k but no full indexer layer precedes it")
 
-        w_kv_b = self._w_kv_b()
+        w_kv_b = self._w_kv_b(q_nope.dtype)
         q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kv_b[:, : self.nope_dim])  # (N, H, C)
         topk = batch.layer_topk[self.layer_idx] if batch.layer_topk else self.index_topk
         selector = _Selector(self, cache, kernels, controls, topk, index, batch)

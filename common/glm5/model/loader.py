@@ -22,25 +22,29 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 from tqdm import tqdm
 
 from glm5.errors import CheckpointError
 from glm5.model.config import ModelConfig, RopeConfig
 from glm5.model.model import DecoderLayer, GlmMoeDsaForCausalLM
-from glm5.model.moe import MoE
+from glm5.model.moe import Experts, MoE
+from glm5.model.quant import SCALE_SUFFIX, Fp8Linear, QuantConfig
 from glm5.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Split by rows (output features) / columns (input features) under tensor parallelism; all else is replicated.
 _ROWS = re.compile(
     r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(self_attn\.(q_b_proj|kv_b_proj)"
-    r"|mlp\.(shared_experts\.)?(gate_proj|up_proj)))\.weight$"
+    r"|mlp\.(shared_experts\.)?(gate_proj|up_proj)))\.weight(_scale_inv)?$"
 )
-_COLUMNS = re.compile(r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(shared_experts\.)?down_proj)\.weight$")
+_COLUMNS = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(shared_experts\.)?down_proj)\.weight(_scale_inv)?$"
+)
 _ROW_PARALLEL_BIAS = re.compile(r"^model\.layers\.\d+\.self_attn\.o_proj\.bias$")
 PROGRESS_MIN_BYTES = 256 << 20
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -94,6 +98,10 @@ class _Lazy:
         return tuple(self._slice.get_shape())
 
     @property
+    def dtype(self) -> str:
+        return str(self._slice.get_dtype())
+
+    @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _DTYPE_BYTES.get(self._slice.get_dtype(), 2)
 
@@ -138,9 +146,7 @@ def load_model(
     if rope is not None:
         config.rope = rope
     raw = json.loads((path / "config.json").read_text())
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "unknown")
-        raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet; use a bf16 checkpoint")
+    quant = QuantConfig.from_config(raw.get("quantization_config"))
     files = checkpoint_files(path)
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(config, tp)
@@ -152,6 +158,7 @@ def load_model(
             indexer.weights_proj.float()
         if isinstance(layer.mlp, MoE):
             layer.mlp.gate.e_score_correction_bias = layer.mlp.gate.e_score_correction_bias.float()
+    _use_stored_formats(model, _stored_dtypes(files), quant, dtype)
     model = model.to_empty(device=device)
     params: dict[str, torch.Tensor] = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     pending = set(params)
@@ -181,7 +188,12 @@ def load_model(
                 continue
             full, index = tuple(target.shape), tuple[slice, ...]()
             if tp.size > 1 and (_ROWS.match(name) or _COLUMNS.match(name)):
-                full, index = _split(target, 0 if _ROWS.match(name) else 1, tp)
+                dim = 0 if _ROWS.match(name) else 1
+                if name.endswith(SCALE_SUFFIX):
+                    weight = params[name.removesuffix(SCALE_SUFFIX)]
+                    full, index = _split_scale(name, target, weight.shape[dim], dim, _block_of(model, name), tp)
+                else:
+                    full, index = _split(target, dim, tp)
             if lazy.shape != full:
                 raise CheckpointError(
                     f"tensor {name} has shape {lazy.shape} in the checkpoint but the config needs {full}"
@@ -210,15 +222,98 @@ def load_model(
 
 def _local_experts(model: GlmMoeDsaForCausalLM, stacked: str) -> int:
     """Experts this rank holds in the MoE layer that `stacked` (...mlp.experts.gate_up_proj) belongs to."""
-    layer = model.model.layers[int(stacked.split(".")[2])]
+    return _experts(model, int(stacked.split(".")[2])).num_experts
+
+
+def _experts(model: GlmMoeDsaForCausalLM, layer_index: int) -> Experts:
+    layer = model.model.layers[layer_index]
     assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MoE)
-    return layer.mlp.experts.num_experts
+    return layer.mlp.experts
+
+
+def _stored_dtypes(files: list[Path]) -> dict[str, str]:
+    """Every tensor's stored dtype (safetensors' names: F8_E4M3, BF16, ...), from the headers only."""
+    out: dict[str, str] = {}
+    for name, lazy in _iter_tensors(files):
+        out[name] = lazy.dtype
+    return out
+
+
+def _use_stored_formats(
+    model: GlmMoeDsaForCausalLM, stored: dict[str, str], quant: QuantConfig | None, dtype: torch.dtype
+) -> None:
+    """Swaps in block-FP8 layers (on the meta device) where the checkpoint stores a float8 weight: what is
+    quantized is what the file holds, whatever `modules_to_not_convert` lists."""
+    fp8 = [name for name, d in stored.items() if d == "F8_E4M3"]
+    if not fp8:
+        return
+    if quant is None:
+        raise CheckpointError(f"tensor {fp8[0]} is float8 but config.json has no quantization_config")
+    for name in fp8:
+        if name.endswith(".weight") and name + SCALE_SUFFIX not in stored:
+            raise CheckpointError(f"tensor {name} is float8 but {name}{SCALE_SUFFIX} is missing from the checkpoint")
+    for mod_name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and stored.get(f"{mod_name}.weight") == "F8_E4M3":
+            parent, _, attr = mod_name.rpartition(".")
+            with torch.device("meta"):
+                fp8_linear = Fp8Linear(
+                    module.in_features, module.out_features, module.bias is not None, quant.block, dtype
+                )
+            setattr(model.get_submodule(parent), attr, fp8_linear)
+        elif isinstance(module, Experts):
+            first = f"{mod_name}.{module.first_expert}.gate_proj.weight"
+            if stored.get(first) == "F8_E4M3":
+                module.to_fp8(quant.block)
+
+
+def _block_of(model: GlmMoeDsaForCausalLM, scale_name: str) -> tuple[int, int]:
+    module = model.get_submodule(scale_name.removesuffix(".weight_scale_inv"))
+    assert isinstance(module, Fp8Linear)
+    return module.block
+
+
+def _split_scale(
+    name: str, target: torch.Tensor, weight_local: int, dim: int, block: tuple[int, int], tp: TensorParallel
+) -> tuple[tuple[int, ...], tuple[slice, ...]]:
+    """The rows or columns of block scales that cover this rank's part of a split FP8 weight; an error if the
+    split cuts a quantization block (the rank's part would need scales of values it does not hold)."""
+    size = block[dim]
+    start, stop, total = tp.rank * weight_local, (tp.rank + 1) * weight_local, weight_local * tp.size
+    if start % size or (stop % size and stop != total):
+        what = "rows" if dim == 0 else "columns"
+        raise CheckpointError(
+            f"tensor {name}: rank {tp.rank}'s {what} [{start}, {stop}) of {total} cut its quantization blocks of "
+            f"{size}; choose a tensor parallel size that splits the {what} into whole blocks"
+        )
+    full = list(target.shape)
+    full[dim] = math.ceil(total / size)
+    index = [slice(None)] * target.dim()
+    index[dim] = slice(start // size, math.ceil(stop / size))
+    return tuple(full), tuple(index)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters and buffers this process holds (a rank's shard under tensor parallelism)."""
+    return sum(weight_bytes_by_dtype(model).values())
+
+
+def weight_bytes_by_dtype(model: torch.nn.Module) -> dict[str, int]:
+    """The same bytes by storage format (float8_e4m3fn, bfloat16, float32, ...)."""
     tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}  # tied weights count once
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    out: dict[str, int] = {}
+    for t in tensors.values():
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def weight_placement(model: torch.nn.Module) -> dict[str, int]:
+    """Weight bytes by the memory holding them: {"device": ..., "host": ...} (a CPU model is all host)."""
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    out = {"device": 0, "host": 0}
+    for t in tensors.values():
+        out["host" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
+    return out
 
 
 def _load_expert(
@@ -230,13 +325,16 @@ def _load_expert(
     config: ModelConfig,
     tp: TensorParallel,
 ) -> None:
-    """Reads this rank's part of one expert's projection (nothing if another rank holds the expert)."""
-    layer, e, which = int(match.group(1)), int(match.group(2)), match.group(3)
+    """Reads this rank's part of one expert's projection or its FP8 scales (nothing if another rank holds
+    the expert)."""
+    layer, e, which, scale = int(match.group(1)), int(match.group(2)), match.group(3), bool(match.group(4))
     prefix = f"model.layers.{layer}.mlp.experts"
-    gate_up, down = params.get(f"{prefix}.gate_up_proj"), params.get(f"{prefix}.down_proj")
+    suffix = SCALE_SUFFIX if scale else ""
+    gate_up, down = params.get(f"{prefix}.gate_up_proj{suffix}"), params.get(f"{prefix}.down_proj{suffix}")
     if gate_up is None or down is None or e >= config.n_routed_experts:
-        raise CheckpointError(f"tensor {name} does not fit the config (no such MoE layer or expert)")
-    first, inter = 0, gate_up.shape[1] // 2  # this rank's intermediate size
+        what = "FP8 scales of a float" if scale and gate_up is None else "no such MoE layer or"
+        raise CheckpointError(f"tensor {name} does not fit the config ({what} expert)")
+    first = 0
     if tp.expert_parallel:
         first, stop = tp.span(config.n_routed_experts)
         if not first <= e < stop:
@@ -244,15 +342,28 @@ def _load_expert(
     if which == "down":
         target = down[e - first]
     else:
-        rows = slice(0, inter) if which == "gate" else slice(inter, 2 * inter)
-        target = gate_up[e - first, rows]
+        half = gate_up.shape[1] // 2
+        target = gate_up[e - first, slice(0, half) if which == "gate" else slice(half, 2 * half)]
     full, index = tuple(target.shape), tuple[slice, ...]()
     if tp.size > 1 and not tp.expert_parallel:
-        full, index = _split(target, 1 if which == "down" else 0, tp)
+        dim = 1 if which == "down" else 0
+        if scale:
+            weight = params[f"{prefix}.{'down' if which == 'down' else 'gate_up'}_proj"]
+            local = weight.shape[2] if which == "down" else weight.shape[1] // 2
+            block = _experts_block(params, prefix)
+            full, index = _split_scale(name, target, local, dim, block, tp)
+        else:
+            full, index = _split(target, dim, tp)
     if lazy.shape != full:
         raise CheckpointError(f"tensor {name} has shape {lazy.shape} in the checkpoint but the config needs {full}")
     target.copy_(lazy.read(index))
-    expert_parts.setdefault(f"{prefix}.gate_up_proj", set()).add((e, which))
+    expert_parts.setdefault(f"{prefix}.gate_up_proj{suffix}", set()).add((e, which))
+
+
+def _experts_block(params: dict[str, torch.Tensor], prefix: str) -> tuple[int, int]:
+    """The FP8 block of a layer's experts, from its weight and scale shapes (the module is not at hand)."""
+    w, s = params[f"{prefix}.down_proj"], params[f"{prefix}.down_proj_scale_inv"]
+    return math.ceil(w.shape[1] / s.shape[1]), math.ceil(w.shape[2] / s.shape[2])
 
 
 def checkpoint_state_dict(model: GlmMoeDsaForCausalLM) -> dict[str, torch.Tensor]:

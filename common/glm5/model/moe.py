@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5.model.config import ModelConfig
+from glm5.model.quant import FP8, dequantize, scale_shape, stacked_dequantize
 from glm5.parallel import SINGLE, TensorParallel
 
 
@@ -79,6 +80,31 @@ class Experts(nn.Module):
         self.num_experts = e
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))  # rows: gate then up
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.fp8_block: tuple[int, int] | None = None
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Block-FP8 weights (before loading): 1 byte per value plus `*_scale_inv`, the gate and up halves'
+        scales stacked like their rows."""
+        e, two_i, d = self.gate_up_proj.shape
+        i, dev = two_i // 2, self.gate_up_proj.device
+        gr, gc = scale_shape(i, d, block)
+        dr, dc = scale_shape(d, i, block)
+        frozen = dict(requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, two_i, d, dtype=FP8, device=dev), **frozen)
+        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(e, 2 * gr, gc, device=dev), **frozen)
+        self.down_proj = nn.Parameter(torch.empty(e, d, i, dtype=FP8, device=dev), **frozen)
+        self.down_proj_scale_inv = nn.Parameter(torch.empty(e, dr, dc, device=dev), **frozen)
+        self.fp8_block = block
+
+    def _gate_up(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.fp8_block is None:
+            return self.gate_up_proj[e]
+        return stacked_dequantize(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], 2, self.fp8_block, dtype)
+
+    def _down(self, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.fp8_block is None:
+            return self.down_proj[e]
+        return dequantize(self.down_proj[e], self.down_proj_scale_inv[e], self.fp8_block, dtype)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -98,8 +124,8 @@ class Experts(nn.Module):
                 continue
             tokens, slots = token_of[start : start + count], slot_of[start : start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tokens, slots, None]
+            gate, up = F.linear(x[tokens], self._gate_up(e, x.dtype)).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self._down(e, x.dtype)) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
 

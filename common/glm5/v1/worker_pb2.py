@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from glm5.v1 import common_pb2 as glm5_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/worker.proto\x12\x07glm5.v1\x1a\x14glm5/v1/common.proto\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.glm5.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\x07 \x01(\x08\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x12\x17\n\x0fstream_interval\x18\n \x01(\x05\"J\n\x16GenerateStreamRequests\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.glm5.v1.GenerateStreamRequest\"j\n\x15GenerateStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.glm5.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"M\n\x17GenerateStreamResponses\x12\x32\n\tresponses\x18\x01 \x03(\x0b\x32\x1f.glm5.v1.GenerateStreamResponse\"|\n\x16GenerateStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.glm5.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x9a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.glm5.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.glm5.v1.Usage\x12\x16\n\x0eweight_version\x18\t \x01(\x03\"\x11\n\x0fGetStatsRequest\"h\n\rLayerSparsity\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11\x61ttention_entropy\x18\x02 \x01(\x02\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x03 \x01(\x02\x12\x0c\n\x04topk\x18\x04 \x01(\x05\"\xc3\x03\n\x0bWorkerStats\x12\x10\n\x08kv_usage\x18\x01 \x01(\x02\x12\x18\n\x10kv_fragmentation\x18\x02 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\x03\x12\x15\n\rkv_block_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x06 \x01(\x02\x12\x1f\n\x17token_latency_jitter_ms\x18\x07 \x01(\x02\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x16\n\x0eweight_version\x18\n \x01(\x03\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0b \x01(\x02\x12&\n\x06layers\x18\x0c \x03(\x0b\x32\x16.glm5.v1.LayerSparsity\x12\x1e\n\x16generated_tokens_total\x18\r \x01(\x03\x12\x1d\n\x15mean_token_latency_ms\x18\x0e \x01(\x02\x12\x12\n\nworld_size\x18\x0f \x01(\x05\x12\"\n\x05ranks\x18\x10 \x03(\x0b\x32\x13.glm5.v1.RankMemory\"p\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x02 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x64\x65vice_bytes\x18\x04 \x01(\x03\x12\x16\n\x0ehost_rss_bytes\x18\x05 \x01(\x03\"\x15\n\x13GetModelInfoRequest\"\x8b\x02\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\x05\x12\x17\n\x0f\x65xpert_parallel\x18\x0b \x01(\x08\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"9\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08location\x18\x02 \x01(\t\"T\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\x12\x14\n\x0cswap_seconds\x18\x03 \x01(\x02\"\x15\n\x13GetTokenizerRequest\"\\\n\x0eTokenizerFiles\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t2\xc1\x04\n\x06Worker\x12\x41\n\x08Generate\x12\x18.glm5.v1.GenerateRequest\x1a\x19.glm5.v1.GenerateResponse0\x01\x12W\n\x0eGenerateStream\x12\x1f.glm5.v1.GenerateStreamRequests\x1a .glm5.v1.GenerateStreamResponses(\x01\x30\x01\x12:\n\x08GetStats\x12\x18.glm5.v1.GetStatsRequest\x1a\x14.glm5.v1.WorkerStats\x12@\n\x0cGetModelInfo\x12\x1c.glm5.v1.GetModelInfoRequest\x1a\x12.glm5.v1.ModelInfo\x12?\n\x08Tokenize\x12\x18.glm5.v1.TokenizeRequest\x1a\x19.glm5.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.glm5.v1.DetokenizeRequest\x1a\x1b.glm5.v1.DetokenizeResponse\x12\x45\n\x0cGetTokenizer\x12\x1c.glm5.v1.GetTokenizerRequest\x1a\x17.glm5.v1.TokenizerFiles\x12N\n\rUpdateWeights\x12\x1d.glm5.v1.UpdateWeightsRequest\x1a\x1e.glm5.v1.UpdateWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/worker.proto\x12\x07glm5.v1\x1a\x14glm5/v1/common.proto\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.glm5.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\x07 \x01(\x08\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x12\x17\n\x0fstream_interval\x18\n \x01(\x05\"J\n\x16GenerateStreamRequests\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.glm5.v1.GenerateStreamRequest\"j\n\x15GenerateStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12)\n\x05start\x18\x02 \x01(\x0b\x32\x18.glm5.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"M\n\x17GenerateStreamResponses\x12\x32\n\tresponses\x18\x01 \x03(\x0b\x32\x1f.glm5.v1.GenerateStreamResponse\"|\n\x16GenerateStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.glm5.v1.GenerateResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"\x9a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x15.glm5.v1.TokenLogprob\x12,\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x15.glm5.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x1d\n\x05usage\x18\x08 \x01(\x0b\x32\x0e.glm5.v1.Usage\x12\x16\n\x0eweight_version\x18\t \x01(\x03\"\x11\n\x0fGetStatsRequest\"h\n\rLayerSparsity\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x19\n\x11\x61ttention_entropy\x18\x02 \x01(\x02\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x03 \x01(\x02\x12\x0c\n\x04topk\x18\x04 \x01(\x05\"\xc3\x03\n\x0bWorkerStats\x12\x10\n\x08kv_usage\x18\x01 \x01(\x02\x12\x18\n\x10kv_fragmentation\x18\x02 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\x03\x12\x15\n\rkv_block_size\x18\x05 \x01(\x05\x12\x1f\n\x17\x61ttention_entropy_drift\x18\x06 \x01(\x02\x12\x1f\n\x17token_latency_jitter_ms\x18\x07 \x01(\x02\x12\x13\n\x0bnum_running\x18\x08 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\t \x01(\x05\x12\x16\n\x0eweight_version\x18\n \x01(\x03\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0b \x01(\x02\x12&\n\x06layers\x18\x0c \x03(\x0b\x32\x16.glm5.v1.LayerSparsity\x12\x1e\n\x16generated_tokens_total\x18\r \x01(\x03\x12\x1d\n\x15mean_token_latency_ms\x18\x0e \x01(\x02\x12\x12\n\nworld_size\x18\x0f \x01(\x05\x12\"\n\x05ranks\x18\x10 \x03(\x0b\x32\x13.glm5.v1.RankMemory\"\xf7\x01\n\nRankMemory\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x14\n\x0cweight_bytes\x18\x02 \x01(\x03\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x03\x12\x14\n\x0c\x64\x65vice_bytes\x18\x04 \x01(\x03\x12\x16\n\x0ehost_rss_bytes\x18\x05 \x01(\x03\x12J\n\x15weight_bytes_by_dtype\x18\x06 \x03(\x0b\x32+.glm5.v1.RankMemory.WeightBytesByDtypeEntry\x1a\x39\n\x17WeightBytesByDtypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x15\n\x13GetModelInfoRequest\"\x8b\x02\n\tModelInfo\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x16\n\x0eweight_version\x18\x08 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\t \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\n \x01(\x05\x12\x17\n\x0f\x65xpert_parallel\x18\x0b \x01(\x08\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"9\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08location\x18\x02 \x01(\t\"T\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x02 \x01(\x02\x12\x14\n\x0cswap_seconds\x18\x03 \x01(\x02\"\x15\n\x13GetTokenizerRequest\"\\\n\x0eTokenizerFiles\x12\x16\n\x0etokenizer_json\x18\x01 \x01(\x0c\x12\x1d\n\x15tokenizer_config_json\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t2\xc1\x04\n\x06Worker\x12\x41\n\x08Generate\x12\x18.glm5.v1.GenerateRequest\x1a\x19.glm5.v1.GenerateResponse0\x01\x12W\n\x0eGenerateStream\x12\x1f.glm5.v1.GenerateStreamRequests\x1a .glm5.v1.GenerateStreamResponses(\x01\x30\x01\x12:\n\x08GetStats\x12\x18.glm5.v1.GetStatsRequest\x1a\x14.glm5.v1.WorkerStats\x12@\n\x0cGetModelInfo\x12\x1c.glm5.v1.GetModelInfoRequest\x1a\x12.glm5.v1.ModelInfo\x12?\n\x08Tokenize\x12\x18.glm5.v1.TokenizeRequest\x1a\x19.glm5.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.glm5.v1.DetokenizeRequest\x1a\x1b.glm5.v1.DetokenizeResponse\x12\x45\n\x0cGetTokenizer\x12\x1c.glm5.v1.GetTokenizerRequest\x1a\x17.glm5.v1.TokenizerFiles\x12N\n\rUpdateWeights\x12\x1d.glm5.v1.UpdateWeightsRequest\x1a\x1e.glm5.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glm5.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RANKMEMORY_WEIGHTBYTESBYDTYPEENTRY']._loaded_options = None
+  _globals['_RANKMEMORY_WEIGHTBYTESBYDTYPEENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=56
   _globals['_GENERATEREQUEST']._serialized_end=339
   _globals['_GENERATESTREAMREQUESTS']._serialized_start=341
@@ -50,28 +52,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERSPARSITY']._serialized_end=1138
   _globals['_WORKERSTATS']._serialized_start=1141
   _globals['_WORKERSTATS']._serialized_end=1592
-  _globals['_RANKMEMORY']._serialized_start=1594
-  _globals['_RANKMEMORY']._serialized_end=1706
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1708
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1729
-  _globals['_MODELINFO']._serialized_start=1732
-  _globals['_MODELINFO']._serialized_end=1999
-  _globals['_TOKENIZEREQUEST']._serialized_start=2001
-  _globals['_TOKENIZEREQUEST']._serialized_end=2060
-  _globals['_TOKENIZERESPONSE']._serialized_start=2062
-  _globals['_TOKENIZERESPONSE']._serialized_end=2099
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2101
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2168
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2170
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2204
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2206
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2263
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2265
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2349
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2351
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2372
-  _globals['_TOKENIZERFILES']._serialized_start=2374
-  _globals['_TOKENIZERFILES']._serialized_end=2466
-  _globals['_WORKER']._serialized_start=2469
-  _globals['_WORKER']._serialized_end=3046
+  _globals['_RANKMEMORY']._serialized_start=1595
+  _globals['_RANKMEMORY']._serialized_end=1842
+  _globals['_RANKMEMORY_WEIGHTBYTESBYDTYPEENTRY']._serialized_start=1785
+  _globals['_RANKMEMORY_WEIGHTBYTESBYDTYPEENTRY']._serialized_end=1842
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1844
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1865
+  _globals['_MODELINFO']._serialized_start=1868
+  _globals['_MODELINFO']._serialized_end=2135
+  _globals['_TOKENIZEREQUEST']._serialized_start=2137
+  _globals['_TOKENIZEREQUEST']._serialized_end=2196
+  _globals['_TOKENIZERESPONSE']._serialized_start=2198
+  _globals['_TOKENIZERESPONSE']._serialized_end=2235
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2237
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2304
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2306
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2340
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2342
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2399
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2401
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2485
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2487
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2508
+  _globals['_TOKENIZERFILES']._serialized_start=2510
+  _globals['_TOKENIZERFILES']._serialized_end=2602
+  _globals['_WORKER']._serialized_start=2605
+  _globals['_WORKER']._serialized_end=3182
 # @@protoc_insertion_point(module_scope)

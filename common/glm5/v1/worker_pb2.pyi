@@ -140,18 +140,27 @@ class WorkerStats(_message.Message):
     def __init__(self, kv_usage: _Optional[float] = ..., kv_fragmentation: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., attention_entropy_drift: _Optional[float] = ..., token_latency_jitter_ms: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerSparsity, _Mapping]]] = ..., generated_tokens_total: _Optional[int] = ..., mean_token_latency_ms: _Optional[float] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ...) -> None: ...
 
 class RankMemory(_message.Message):
-    __slots__ = ("rank", "weight_bytes", "kv_bytes", "device_bytes", "host_rss_bytes")
+    __slots__ = ("rank", "weight_bytes", "kv_bytes", "device_bytes", "host_rss_bytes", "weight_bytes_by_dtype")
+    class WeightBytesByDtypeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_BY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     weight_bytes: int
     kv_bytes: int
     device_bytes: int
     host_rss_bytes: int
-    def __init__(self, rank: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ...) -> None: ...
+    weight_bytes_by_dtype: _containers.ScalarMap[str, int]
+    def __init__(self, rank: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., device_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., weight_bytes_by_dtype: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

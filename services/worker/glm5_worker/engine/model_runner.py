@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 from glm5.devices import available_memory
+from glm5.errors import CheckpointError
 from glm5.kernels import checked, kernels_for
 from glm5.kvcache.storage import PagedKVStorage
 from glm5.model.attention import DSAControls
 from glm5.model.batch import DecodeGroup, ForwardBatch, PrefillChunk
-from glm5.model.loader import load_model, weight_bytes
+from glm5.model.loader import load_model, weight_bytes_by_dtype, weight_placement
 from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.parallel import TensorParallel
 
@@ -54,6 +55,7 @@ class RankMemory:
     kv_bytes: int
     device_bytes: int  # allocated on the accelerator (0 on CPU)
     host_rss_bytes: int  # peak resident set of the rank's process
+    weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # float8_e4m3fn, bfloat16, ...
 
 
 class ModelRunner:
@@ -65,9 +67,12 @@ class ModelRunner:
         self.model: GlmMoeDsaForCausalLM = load_model(
             rc.model_dir, rc.dtype, self.device, progress=None if tp.is_first else False, rope=rc.model.rope, tp=tp
         )  # one progress bar per replica: rank 0's
-        self.weight_bytes = weight_bytes(self.model)
-        if tp.size > 1:
-            log.info("rank %d/%d: %.1f MiB of weights on %s", tp.rank, tp.size, self.weight_bytes / 2**20, self.device)
+        self.weight_bytes_by_dtype = weight_bytes_by_dtype(self.model)
+        self.weight_bytes = sum(self.weight_bytes_by_dtype.values())
+        self._check_placement()
+        formats = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(self.weight_bytes_by_dtype.items()))
+        who = f"rank {tp.rank}/{tp.size}: " if tp.size > 1 else ""
+        log.info("%s%.1f MiB of weights on %s (%s)", who, self.weight_bytes / 2**20, self.device, formats)
         mc = rc.model
         self.kernels = checked(
             kernels_for(self.device, rc.engine.kernels), rc.engine.kernels, self.device,
@@ -80,6 +85,23 @@ class ModelRunner:
             paged_scoring_min_tokens=rc.engine.paged_scoring_min_tokens,
         )
         self.storage: PagedKVStorage | None = None
+
+    def _check_placement(self) -> None:
+        """Weights meant for an accelerator must be in its memory (a tensor left on the host would make every
+        step copy it): by where the tensors are, and by what the device's allocator says it holds."""
+        placed = weight_placement(self.model)
+        if self.device.type == "cpu":
+            return
+        if placed["host"]:
+            raise CheckpointError(
+                f"{placed['host'] / 2**20:.1f} MiB of weights meant for {self.device} are in host memory"
+            )
+        allocated = device_allocated(self.device)
+        if allocated is not None and allocated < placed["device"]:
+            raise CheckpointError(
+                f"{self.device} reports {allocated / 2**20:.1f} MiB allocated but the weights need "
+                f"{placed['device'] / 2**20:.1f} MiB there"
+            )
 
     # KV cache -----------------------------------------------------------------------------------------------
     def kv_budget(self) -> int:
@@ -157,10 +179,18 @@ class ModelRunner:
         swap_in_place(self.model, new_model)
 
     def memory(self) -> RankMemory:
-        device_bytes = int(torch.cuda.memory_allocated(self.device)) if self.device.type == "cuda" else 0
-        if self.device.type == "npu":
-            device_bytes = int(torch.npu.memory_allocated(self.device))  # type: ignore[attr-defined]
         # ru_maxrss is in KiB on Linux
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if os.name == "posix" else 0
         kv = self.storage.nbytes() if self.storage is not None else 0
-        return RankMemory(self.tp.rank, self.weight_bytes, kv, device_bytes, rss)
+        device = device_allocated(self.device) or 0
+        return RankMemory(self.tp.rank, self.weight_bytes, kv, device, rss, dict(self.weight_bytes_by_dtype))
+
+
+def device_allocated(device: torch.device) -> int | None:
+    """Bytes the device's caching allocator holds for tensors (torch.cuda / torch_npu memory statistics); None
+    on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    if device.type == "npu":
+        return int(torch.npu.memory_allocated(device))  # type: ignore[attr-defined]
+    return None

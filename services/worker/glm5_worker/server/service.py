@@ -183,6 +183,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                     kv_bytes=m.kv_bytes,
                     device_bytes=m.device_bytes,
                     host_rss_bytes=m.host_rss_bytes,
+                    weight_bytes_by_dtype=m.weight_bytes_by_dtype,
                 )
                 for m in st.ranks
             ],
