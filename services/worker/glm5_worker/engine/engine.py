@@ -79,13 +79,9 @@ class Engine:
         self.served_model_name = rc.served_model_name
         self.replica: ReplicaDriver | None = start_replica(rc) if config.tensor_parallel_size > 1 else None
         try:
-            self.runner = ModelRunner(rc, self.tp, self.replica.replica.device if self.replica else rc.device_for(0))
-            if self.replica is not None:
-                self.replica.replica.wait_all("loading their shards")
-                budget = self.replica.replica.channel.agree_min(self.runner.kv_budget())
-            else:
-                budget = self.runner.kv_budget()
-            self._init_kv(budget)
+            self.runner = ModelRunner(rc, self.tp, self.replica.device if self.replica else rc.device_for(0))
+            kv = self.runner.kv_budget
+            self._init_kv(self.replica.replica.agreed_kv_bytes(kv) if self.replica is not None else kv())
         except BaseException:
             self.close()
             raise

@@ -15,6 +15,7 @@ import time
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import torch
 from glm5.parallel import CommStats, TensorParallel
 
 from glm5_worker.config import EngineConfig
@@ -56,6 +57,10 @@ class ReplicaDriver:
     @property
     def tp(self) -> TensorParallel:
         return self.replica.tp
+
+    @property
+    def device(self) -> torch.device:
+        return self.replica.device
 
     def step(self, plan: StepPlan) -> None:
         self._send(Step(plan))

@@ -81,8 +81,7 @@ def run_follower(config: EngineConfig, local_rank: int, port: int) -> int:
     store = rendezvous(config, rank, port)
     replica = join(config, rank, rc.device_for(local_rank), store)
     runner = ModelRunner(rc, replica.tp, replica.device)
-    replica.wait_all("loading their shards")
-    runner.init_kv(replica.channel.agree_min(runner.kv_budget()))
+    runner.init_kv(replica.agreed_kv_bytes(runner.kv_budget))
     return Follower(runner, replica, rc).run()
 
 

@@ -57,6 +57,12 @@ class Replica:
             raise ReplicaFailure(f"rank {self.tp.rank}: ranks did not all finish {what}: {exc}") from exc
         log.debug("rank %d waited %.1fs for the others to finish %s", self.tp.rank, time.monotonic() - start, what)
 
+    def agreed_kv_bytes(self, budget: Callable[[], int]) -> int:
+        """Once every rank has loaded its shard, the smallest KV budget of any rank: every rank's pool must be
+        the same size (same blocks, same slots)."""
+        self.wait_all("loading their shards")
+        return self.channel.agree_min(budget())
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
