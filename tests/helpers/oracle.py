@@ -106,3 +106,37 @@ class SimpleRunner:
         group = DecodeGroup(1, self.table[None], torch.tensor([p + 1], device=dev), p + 1)
         batch = ForwardBatch(torch.tensor([token], device=dev), pos, pos, group, [], torch.tensor([0], device=dev))
         return self.model(batch, self.storage, self.kernels, self.controls)[0]
+
+
+def prompt_ids(vocab: int, n: int, seed: int = 3) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def step_logits(model: GlmMoeDsaForCausalLM, prompt: int = 30, decodes: int = 4) -> list[torch.Tensor]:
+    """The logits of a `prompt`-token prefill, then of `decodes` single-token decode steps (fixed random ids)."""
+    ids = prompt_ids(model.config.vocab_size, prompt + decodes)
+    runner = SimpleRunner(model, len(ids))
+    out = [runner.prefill(torch.tensor(ids[:prompt]))]
+    out += [runner.decode(t)[None] for t in ids[prompt:]]
+    return out
+
+
+def engine_greedy(path: Path, new_tokens: int = 8) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Greedy tokens our engine generates for two requests on the checkpoint at `path` (a tokenizer is written
+    next to it), and its weight bytes per storage dtype."""
+    from glm5.tokenizer.build import write_tokenizer
+    from glm5_worker.config import EngineConfig
+    from glm5_worker.engine.engine import Engine
+    from glm5_worker.engine.sequence import SamplingParams
+
+    write_tokenizer(path)
+    engine = Engine(EngineConfig(model=str(path), max_model_len=256, kv_cache_bytes=8 << 20, block_size=16))
+    for i, n in enumerate((40, 9)):
+        ids = prompt_ids(engine.model_config.vocab_size, n)
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        engine.add_request(f"r{i}", None, ids, sampling)
+    got: dict[str, list[int]] = {}
+    while engine.has_work:
+        for o in engine.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    return got, dict(engine.stats().ranks[0].weight_bytes_by_dtype)

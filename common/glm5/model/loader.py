@@ -29,21 +29,23 @@ from glm5.errors import CheckpointError
 from glm5.model.config import ModelConfig, RopeConfig
 from glm5.model.model import DecoderLayer, GlmMoeDsaForCausalLM
 from glm5.model.moe import Experts, MoE
-from glm5.model.quant import SCALE_SUFFIX, Fp8Linear, QuantConfig
+from glm5.model.quant import INT4_PER_WORD, SCALE_SUFFIX, Fp8Linear, Int4Linear, QuantConfig
 from glm5.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?$")
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight(_scale_inv|_packed|_scale|_shape)?$"
+)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Split by rows (output features) / columns (input features) under tensor parallelism; all else is replicated.
 _ROWS = re.compile(
     r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(self_attn\.(q_b_proj|kv_b_proj)"
-    r"|mlp\.(shared_experts\.)?(gate_proj|up_proj)))\.weight(_scale_inv)?$"
+    r"|mlp\.(shared_experts\.)?(gate_proj|up_proj)))\.weight(_scale_inv|_packed|_scale|_shape)?$"
 )
 _COLUMNS = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(shared_experts\.)?down_proj)\.weight(_scale_inv)?$"
+    r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(shared_experts\.)?down_proj)\.weight(_scale_inv|_packed|_scale|_shape)?$"
 )
 _ROW_PARALLEL_BIAS = re.compile(r"^model\.layers\.\d+\.self_attn\.o_proj\.bias$")
 PROGRESS_MIN_BYTES = 256 << 20
@@ -158,11 +160,13 @@ def load_model(
             indexer.weights_proj.float()
         if isinstance(layer.mlp, MoE):
             layer.mlp.gate.e_score_correction_bias = layer.mlp.gate.e_score_correction_bias.float()
-    _use_stored_formats(model, _stored_dtypes(files), quant, dtype)
+    stored = _stored_dtypes(files)
+    _use_stored_formats(model, stored, quant, dtype)
     model = model.to_empty(device=device)
     params: dict[str, torch.Tensor] = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     pending = set(params)
     expert_parts: dict[str, set[tuple[int, str]]] = {}
+    logical_shapes: dict[str, tuple[int, ...]] = {}  # compressed-tensors' weight_shape, by module
     skipped_mtp = 0
     unexpected: list[str] = []
     total = sum(f.stat().st_size for f in files)
@@ -172,15 +176,22 @@ def load_model(
     # os._exit leaves behind for the resource tracker to warn about
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc) if show else _NoBar()
     with torch.no_grad(), bar:
-        for name, lazy in _iter_tensors(files):
+        for stored_name, lazy in _iter_tensors(files):
+            name = _canonical(stored_name, stored)
             bar.update(lazy.nbytes)  # scanned, whether this rank reads it all, a part or nothing
             layer_match = _LAYER.match(name)
             if layer_match and int(layer_match.group(1)) >= config.num_hidden_layers:
                 skipped_mtp += 1
                 continue
+            if name.endswith(".weight_shape"):
+                logical_shapes[name.removesuffix(".weight_shape")] = tuple(int(v) for v in lazy.read().tolist())
+                continue
             expert = _EXPERT.match(name)
             if expert:
-                _load_expert(params, expert_parts, expert, lazy, name, config, tp)
+                mlp = model.model.layers[int(expert.group(1))].mlp
+                if not isinstance(mlp, MoE):
+                    raise CheckpointError(f"tensor {name} does not fit the config (layer {expert.group(1)} is dense)")
+                _load_expert(params, expert_parts, expert, lazy, name, mlp.experts, tp)
                 continue
             target = params.get(name)
             if target is None:
@@ -189,11 +200,11 @@ def load_model(
             full, index = tuple(target.shape), tuple[slice, ...]()
             if tp.size > 1 and (_ROWS.match(name) or _COLUMNS.match(name)):
                 dim = 0 if _ROWS.match(name) else 1
-                if name.endswith(SCALE_SUFFIX):
-                    weight = params[name.removesuffix(SCALE_SUFFIX)]
-                    full, index = _split_scale(name, target, weight.shape[dim], dim, _block_of(model, name), tp)
-                else:
+                grouped = _grouped(model, name, dim)
+                if grouped is None:
                     full, index = _split(target, dim, tp)
+                else:
+                    full, index = _split_grouped(name, target, *grouped, dim, tp)
             if lazy.shape != full:
                 raise CheckpointError(
                     f"tensor {name} has shape {lazy.shape} in the checkpoint but the config needs {full}"
@@ -207,12 +218,17 @@ def load_model(
         if len(parts) == _local_experts(model, stacked) * 3:
             pending.discard(stacked.replace(".gate_up_proj", ".down_proj"))
             pending.discard(stacked)
+    _check_logical_shapes(model, logical_shapes, tp)
     if "lm_head.weight" in pending and config.tie_word_embeddings:
         model.tie_weights()
         pending.discard("lm_head.weight")
     if pending:
         listed = ", ".join(sorted(pending)[:8])
         raise CheckpointError(f"checkpoint {path} is missing {len(pending)} tensors: {listed}")
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        for module in model.modules():
+            if isinstance(module, Int4Linear | Experts):
+                module.use_cpu_kernel()
     if skipped_mtp:
         log.info("ignored %d tensors of multi-token-prediction layers (not used for serving)", skipped_mtp)
     if unexpected:
@@ -239,45 +255,75 @@ def _stored_dtypes(files: list[Path]) -> dict[str, str]:
     return out
 
 
+def _canonical(name: str, stored: dict[str, str]) -> str:
+    """compressed-tensors names a float8 weight's block scales `weight_scale`; they are the same numbers as
+    GLM-5-FP8's `weight_scale_inv` (weight = fp8 x scale), so both load into one parameter."""
+    if name.endswith(".weight_scale") and stored.get(name.removesuffix("_scale")) == "F8_E4M3":
+        return name + "_inv"
+    return name
+
+
 def _use_stored_formats(
     model: GlmMoeDsaForCausalLM, stored: dict[str, str], quant: QuantConfig | None, dtype: torch.dtype
 ) -> None:
-    """Swaps in block-FP8 layers (on the meta device) where the checkpoint stores a float8 weight: what is
-    quantized is what the file holds, whatever `modules_to_not_convert` lists."""
+    """Swaps in quantized layers (on the meta device) where the checkpoint stores a float8 weight or a packed
+    INT4 one: what is quantized is what the file holds, whatever `modules_to_not_convert` or `ignore` list."""
     fp8 = [name for name, d in stored.items() if d == "F8_E4M3"]
-    if not fp8:
+    packed = [name for name in stored if name.endswith(".weight_packed")]
+    if not fp8 and not packed:
         return
     if quant is None:
-        raise CheckpointError(f"tensor {fp8[0]} is float8 but config.json has no quantization_config")
+        first, what = (fp8[0], "float8") if fp8 else (packed[0], "packed INT4")
+        raise CheckpointError(f"tensor {first} is {what} but config.json has no quantization_config")
     for name in fp8:
-        if name.endswith(".weight") and name + SCALE_SUFFIX not in stored:
+        if name.endswith(".weight") and not {name + SCALE_SUFFIX, name + "_scale"} & stored.keys():
             raise CheckpointError(f"tensor {name} is float8 but {name}{SCALE_SUFFIX} is missing from the checkpoint")
+    for name in packed:
+        if name.replace("_packed", "_scale") not in stored:
+            raise CheckpointError(f"tensor {name} is packed INT4 but {name.replace('_packed', '_scale')} is missing")
     for mod_name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and stored.get(f"{mod_name}.weight") == "F8_E4M3":
-            parent, _, attr = mod_name.rpartition(".")
+        if isinstance(module, nn.Linear):
+            replacement: nn.Module | None = None
             with torch.device("meta"):
-                fp8_linear = Fp8Linear(
-                    module.in_features, module.out_features, module.bias is not None, quant.block, dtype
-                )
-            setattr(model.get_submodule(parent), attr, fp8_linear)
+                if stored.get(f"{mod_name}.weight") == "F8_E4M3":
+                    block = quant.fp8_block(mod_name)
+                    replacement = Fp8Linear(module.in_features, module.out_features, module.bias is not None, block,
+                                            dtype)  # fmt: skip
+                elif f"{mod_name}.weight_packed" in stored:
+                    group = quant.int4_group(mod_name, module.in_features)
+                    replacement = Int4Linear(module.in_features, module.out_features, module.bias is not None, group,
+                                             dtype)  # fmt: skip
+            if replacement is not None:
+                parent, _, attr = mod_name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, replacement)
         elif isinstance(module, Experts):
-            first = f"{mod_name}.{module.first_expert}.gate_proj.weight"
-            if stored.get(first) == "F8_E4M3":
-                module.to_fp8(quant.block)
+            first = f"{mod_name}.{module.first_expert}.gate_proj"
+            if stored.get(f"{first}.weight") == "F8_E4M3":
+                module.to_fp8(quant.fp8_block(first))
+            elif f"{first}.weight_packed" in stored:
+                module.to_int4(quant.int4_group(first, module.dims[1]))
 
 
-def _block_of(model: GlmMoeDsaForCausalLM, scale_name: str) -> tuple[int, int]:
-    module = model.get_submodule(scale_name.removesuffix(".weight_scale_inv"))
-    assert isinstance(module, Fp8Linear)
-    return module.block
+def _grouped(model: GlmMoeDsaForCausalLM, name: str, dim: int) -> tuple[int, int] | None:
+    """For a tensor stored per group of values along `dim` (FP8 block scales, packed INT4 words and their
+    scales): this rank's logical size along `dim` and the group's size there; None for plain tensors."""
+    module_name, _, param = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if not isinstance(module, Fp8Linear | Int4Linear):
+        return None
+    local = module.out_features if dim == 0 else module.in_features
+    if isinstance(module, Fp8Linear) and param == "weight_scale_inv":
+        return local, module.block[dim]
+    if isinstance(module, Int4Linear) and param in ("weight_packed", "weight_scale"):
+        return local, 1 if dim == 0 else INT4_PER_WORD if param == "weight_packed" else module.group
+    return None
 
 
-def _split_scale(
-    name: str, target: torch.Tensor, weight_local: int, dim: int, block: tuple[int, int], tp: TensorParallel
+def _split_grouped(
+    name: str, target: torch.Tensor, weight_local: int, size: int, dim: int, tp: TensorParallel
 ) -> tuple[tuple[int, ...], tuple[slice, ...]]:
-    """The rows or columns of block scales that cover this rank's part of a split FP8 weight; an error if the
-    split cuts a quantization block (the rank's part would need scales of values it does not hold)."""
-    size = block[dim]
+    """The rows or columns of groups (block scales, packed words, group scales) that cover this rank's part
+    of a split weight; an error if the split cuts a group (the rank would need values it does not hold)."""
     start, stop, total = tp.rank * weight_local, (tp.rank + 1) * weight_local, weight_local * tp.size
     if start % size or (stop % size and stop != total):
         what = "rows" if dim == 0 else "columns"
@@ -290,6 +336,36 @@ def _split_scale(
     index = [slice(None)] * target.dim()
     index[dim] = slice(start // size, math.ceil(stop / size))
     return tuple(full), tuple(index)
+
+
+def _check_logical_shapes(model: GlmMoeDsaForCausalLM, shapes: dict[str, tuple[int, ...]], tp: TensorParallel) -> None:
+    """compressed-tensors stores each packed weight's unpacked shape; it must be the shape the config gives."""
+    config = model.config
+    for module_name, shape in shapes.items():
+        expert = _EXPERT.match(module_name + ".weight")
+        if expert:
+            inter, hidden = config.moe_intermediate_size, config.hidden_size
+            want: tuple[int, ...] = (hidden, inter) if expert.group(3) == "down" else (inter, hidden)
+        else:
+            module = model.get_submodule(module_name) if _has_module(model, module_name) else None
+            if not isinstance(module, Int4Linear):
+                raise CheckpointError(f"tensor {module_name}.weight_shape belongs to no packed INT4 weight")
+            rows, cols = module.out_features, module.in_features
+            if _ROWS.match(module_name + ".weight"):
+                rows *= tp.size
+            elif _COLUMNS.match(module_name + ".weight"):
+                cols *= tp.size
+            want = (rows, cols)
+        if shape != want:
+            raise CheckpointError(f"tensor {module_name}.weight_shape says {shape} but the config needs {want}")
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -316,29 +392,30 @@ def weight_placement(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
+_EXPERT_PARAM = {None: "", "_scale_inv": "_scale_inv", "_packed": "_packed", "_scale": "_scale"}
+
+
 def _load_expert(
     params: dict[str, torch.Tensor],
     expert_parts: dict[str, set[tuple[int, str]]],
     match: re.Match[str],
     lazy: _Lazy,
     name: str,
-    config: ModelConfig,
+    experts: Experts,
     tp: TensorParallel,
 ) -> None:
-    """Reads this rank's part of one expert's projection or its FP8 scales (nothing if another rank holds
-    the expert)."""
-    layer, e, which, scale = int(match.group(1)), int(match.group(2)), match.group(3), bool(match.group(4))
+    """Reads this rank's part of one expert's projection, its FP8 scales or its packed INT4 words and scales
+    (nothing if another rank holds the expert)."""
+    layer, e, which, kind = int(match.group(1)), int(match.group(2)), match.group(3), match.group(4)
     prefix = f"model.layers.{layer}.mlp.experts"
-    suffix = SCALE_SUFFIX if scale else ""
+    suffix = _EXPERT_PARAM[kind]
     gate_up, down = params.get(f"{prefix}.gate_up_proj{suffix}"), params.get(f"{prefix}.down_proj{suffix}")
-    if gate_up is None or down is None or e >= config.n_routed_experts:
-        what = "FP8 scales of a float" if scale and gate_up is None else "no such MoE layer or"
-        raise CheckpointError(f"tensor {name} does not fit the config ({what} expert)")
-    first = 0
-    if tp.expert_parallel:
-        first, stop = tp.span(config.n_routed_experts)
-        if not first <= e < stop:
-            return  # another rank's expert
+    first, stop = experts.first_expert, experts.first_expert + experts.num_experts
+    if gate_up is None or down is None or e >= experts.total_experts:
+        raise CheckpointError(f"tensor {name} does not fit the config (its experts are stored in another format, "
+                              "or there is no such MoE layer or expert)")  # fmt: skip
+    if not first <= e < stop:
+        return  # another rank's expert
     if which == "down":
         target = down[e - first]
     else:
@@ -347,23 +424,20 @@ def _load_expert(
     full, index = tuple(target.shape), tuple[slice, ...]()
     if tp.size > 1 and not tp.expert_parallel:
         dim = 1 if which == "down" else 0
-        if scale:
-            weight = params[f"{prefix}.{'down' if which == 'down' else 'gate_up'}_proj"]
-            local = weight.shape[2] if which == "down" else weight.shape[1] // 2
-            block = _experts_block(params, prefix)
-            full, index = _split_scale(name, target, local, dim, block, tp)
-        else:
-            full, index = _split(target, dim, tp)
+        inter, hidden = experts.dims
+        local = (inter if which == "down" else hidden) if dim == 1 else (hidden if which == "down" else inter)
+        size = 1
+        if kind == "_scale_inv":
+            assert experts.fp8_block is not None
+            size = experts.fp8_block[dim]
+        elif kind in ("_packed", "_scale") and dim == 1:
+            assert experts.int4_group is not None
+            size = INT4_PER_WORD if kind == "_packed" else experts.int4_group
+        full, index = _split_grouped(name, target, local, size, dim, tp)
     if lazy.shape != full:
         raise CheckpointError(f"tensor {name} has shape {lazy.shape} in the checkpoint but the config needs {full}")
     target.copy_(lazy.read(index))
     expert_parts.setdefault(f"{prefix}.gate_up_proj{suffix}", set()).add((e, which))
-
-
-def _experts_block(params: dict[str, torch.Tensor], prefix: str) -> tuple[int, int]:
-    """The FP8 block of a layer's experts, from its weight and scale shapes (the module is not at hand)."""
-    w, s = params[f"{prefix}.down_proj"], params[f"{prefix}.down_proj_scale_inv"]
-    return math.ceil(w.shape[1] / s.shape[1]), math.ceil(w.shape[2] / s.shape[2])
 
 
 def checkpoint_state_dict(model: GlmMoeDsaForCausalLM) -> dict[str, torch.Tensor]:

@@ -11,12 +11,22 @@ ranks' partials with one all-reduce.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from glm5.model.config import ModelConfig
-from glm5.model.quant import FP8, dequantize, scale_shape, stacked_dequantize
+from glm5.model.quant import (
+    FP8,
+    INT4_PER_WORD,
+    CpuInt4,
+    dequantize,
+    dequantize_int4,
+    scale_shape,
+    stacked_dequantize,
+)
 from glm5.parallel import SINGLE, TensorParallel
 
 
@@ -77,10 +87,13 @@ class Experts(nn.Module):
             e = stop - self.first_expert
         else:
             self.first_expert, i = 0, i // tp.size
-        self.num_experts = e
+        self.num_experts, self.total_experts = e, config.n_routed_experts
+        self.dims = (i, d)  # this rank's (intermediate, hidden)
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))  # rows: gate then up
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.fp8_block: tuple[int, int] | None = None
+        self.int4_group: int | None = None
+        self.cpu_kernels: list[tuple[CpuInt4, CpuInt4]] | None = None
 
     def to_fp8(self, block: tuple[int, int]) -> None:
         """Block-FP8 weights (before loading): 1 byte per value plus `*_scale_inv`, the gate and up halves'
@@ -96,15 +109,59 @@ class Experts(nn.Module):
         self.down_proj_scale_inv = nn.Parameter(torch.empty(e, dr, dc, device=dev), **frozen)
         self.fp8_block = block
 
-    def _gate_up(self, e: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.fp8_block is None:
-            return self.gate_up_proj[e]
-        return stacked_dequantize(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], 2, self.fp8_block, dtype)
+    def to_int4(self, group: int) -> None:
+        """Packed INT4 weights (before loading): `*_packed` int32 words of 8 values and `*_scale`, one per `group`
+        input columns of a row (gate and up rows stacked, their scales with them)."""
+        e, two_i, d = self.gate_up_proj.shape
+        i, dev = two_i // 2, self.gate_up_proj.device
+        frozen = dict(requires_grad=False)
+        del self.gate_up_proj, self.down_proj
+        words_d, words_i = math.ceil(d / INT4_PER_WORD), math.ceil(i / INT4_PER_WORD)
+        self.gate_up_proj_packed = nn.Parameter(torch.empty(e, two_i, words_d, dtype=torch.int32, device=dev), **frozen)
+        self.gate_up_proj_scale = nn.Parameter(torch.empty(e, two_i, math.ceil(d / group), device=dev), **frozen)
+        self.down_proj_packed = nn.Parameter(torch.empty(e, d, words_i, dtype=torch.int32, device=dev), **frozen)
+        self.down_proj_scale = nn.Parameter(torch.empty(e, d, math.ceil(i / group), device=dev), **frozen)
+        self.int4_group = group
 
-    def _down(self, e: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.fp8_block is None:
-            return self.down_proj[e]
-        return dequantize(self.down_proj[e], self.down_proj_scale_inv[e], self.fp8_block, dtype)
+    def use_cpu_kernel(self) -> None:
+        """Repacks INT4 experts for the CPU int4 matmul (bfloat16 compute), freeing the checkpoint layout."""
+        if self.int4_group is None:
+            return
+        (i, d), g, dev = self.dims, self.int4_group, self.gate_up_proj_packed.device
+        if not (CpuInt4.fits(2 * i, d, g, dev) and CpuInt4.fits(d, i, g, dev)):
+            return
+        self.cpu_kernels = [
+            (CpuInt4(self.gate_up_proj_packed[e], self.gate_up_proj_scale[e], d),
+             CpuInt4(self.down_proj_packed[e], self.down_proj_scale[e], i))
+            for e in range(self.num_experts)
+        ]  # fmt: skip
+        frozen = dict(requires_grad=False)
+        self.gate_up_proj_packed = nn.Parameter(torch.stack([k[0].weight for k in self.cpu_kernels]), **frozen)
+        self.down_proj_packed = nn.Parameter(torch.stack([k[1].weight for k in self.cpu_kernels]), **frozen)
+        for e, (gu, dn) in enumerate(self.cpu_kernels):  # share the stacked storage, do not hold two copies
+            gu.weight, dn.weight = self.gate_up_proj_packed[e], self.down_proj_packed[e]
+
+    def _gate_up(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.cpu_kernels is not None and x.dtype == torch.bfloat16:
+            return self.cpu_kernels[e][0].matmul(x)
+        if self.int4_group is not None:
+            w = dequantize_int4(self.gate_up_proj_packed[e], self.gate_up_proj_scale[e], self.dims[1], x.dtype)
+        elif self.fp8_block is not None:
+            w = stacked_dequantize(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], 2, self.fp8_block, x.dtype)
+        else:
+            w = self.gate_up_proj[e]
+        return F.linear(x, w)
+
+    def _down(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.cpu_kernels is not None and x.dtype == torch.bfloat16:
+            return self.cpu_kernels[e][1].matmul(x)
+        if self.int4_group is not None:
+            w = dequantize_int4(self.down_proj_packed[e], self.down_proj_scale[e], self.dims[0], x.dtype)
+        elif self.fp8_block is not None:
+            w = dequantize(self.down_proj[e], self.down_proj_scale_inv[e], self.fp8_block, x.dtype)
+        else:
+            w = self.down_proj[e]
+        return F.linear(x, w)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -124,8 +181,8 @@ class Experts(nn.Module):
                 continue
             tokens, slots = token_of[start : start + count], slot_of[start : start + count]
             start += count
-            gate, up = F.linear(x[tokens], self._gate_up(e, x.dtype)).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self._down(e, x.dtype)) * weights[tokens, slots, None]
+            gate, up = self._gate_up(x[tokens], e).chunk(2, dim=-1)
+            y = self._down(F.silu(gate) * up, e) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
 

@@ -18,7 +18,7 @@ from glm5.model.quant import FP8, Fp8Linear
 from glm5.parallel import TensorParallel
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.oracle import SimpleRunner, hf_checkpoint
+from tests.helpers.oracle import engine_greedy, hf_checkpoint, step_logits
 from tests.helpers.ranks import run_ranks
 
 BLOCK = (16, 16)
@@ -29,7 +29,6 @@ QUANTIZED = re.compile(
 )
 CONFIG = dict(num_hidden_layers=3, index_topk_pattern="FFS", index_topk=12, first_k_dense_replace=1, n_group=2,
               topk_group=1)  # fmt: skip
-PROMPT, DECODES = 30, 4
 
 
 def fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,18 +98,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return fp8, write_dequantized(fp8, root / "dequantized")
 
 
-def _ids(vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (PROMPT + DECODES,), generator=torch.Generator().manual_seed(3)).tolist()
-
-
-def _logits(model: torch.nn.Module) -> list[torch.Tensor]:
-    ids = _ids(model.config.vocab_size)
-    runner = SimpleRunner(model, len(ids))
-    out = [runner.prefill(torch.tensor(ids[:PROMPT]))]
-    out += [runner.decode(t)[None] for t in ids[PROMPT:]]
-    return out
-
-
 def test_fp8_checkpoint_loads_as_one_byte_per_value_and_matches_its_dequantized_weights(
     checkpoints: tuple[Path, Path],
 ) -> None:
@@ -122,13 +109,13 @@ def test_fp8_checkpoint_loads_as_one_byte_per_value_and_matches_its_dequantized_
     assert attn.kv_a_proj_with_mqa.weight.dtype == FP8 and attn.kv_a_proj_with_mqa.weight_scale_inv.shape == (3, 4)
     assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == FP8
     assert model.lm_head.weight.dtype == torch.float32  # what the file stores decides, not a list of names
-    for got, want in zip(_logits(model), _logits(ref), strict=True):
+    for got, want in zip(step_logits(model), step_logits(ref), strict=True):
         assert (got - want).abs().max().item() <= 1e-4
-    assert (_logits(model)[0].argmax(-1) == _logits(ref)[0].argmax(-1)).all()
+    assert (step_logits(model)[0].argmax(-1) == step_logits(ref)[0].argmax(-1)).all()
 
 
 def _rank(rank: int, world: int, path: str, expert_parallel: bool) -> list[torch.Tensor]:
-    return _logits(load_model(path, tp=TensorParallel(rank, world, expert_parallel)))
+    return step_logits(load_model(path, tp=TensorParallel(rank, world, expert_parallel)))
 
 
 @pytest.mark.slow
@@ -139,7 +126,7 @@ def test_fp8_over_two_ranks_reads_whole_blocks(
     """Each rank reads its rows or columns of a weight and the block scales covering them (an expert split by
     its intermediate dimension included)."""
     fp8, dequantized = checkpoints
-    ref = _logits(load_model(dequantized))
+    ref = step_logits(load_model(dequantized))
     got = run_ranks(_rank, 2, str(fp8), expert_parallel)[0]
     for a, b in zip(got, ref, strict=True):
         assert (a - b).abs().max().item() <= 1e-4
@@ -181,23 +168,6 @@ def test_broken_fp8_checkpoints_name_the_tensor(checkpoints: tuple[Path, Path], 
 
 
 def test_engine_serves_an_fp8_checkpoint_like_its_dequantized_twin(checkpoints: tuple[Path, Path]) -> None:
-    from glm5.tokenizer.build import write_tokenizer
-    from glm5_worker.config import EngineConfig
-    from glm5_worker.engine.engine import Engine
-    from glm5_worker.engine.sequence import SamplingParams
-
-    outs = []
-    for path in checkpoints:
-        write_tokenizer(path)
-        engine = Engine(EngineConfig(model=str(path), max_model_len=256, kv_cache_bytes=8 << 20, block_size=16))
-        for i, n in enumerate((40, 9)):
-            ids = _ids(engine.model_config.vocab_size)[:n]
-            engine.add_request(f"r{i}", None, ids, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
-        got: dict[str, list[int]] = {}
-        while engine.has_work:
-            for o in engine.step():
-                got.setdefault(o.request_id, []).extend(o.token_ids)
-        outs.append(got)
-        by_dtype = engine.stats().ranks[0].weight_bytes_by_dtype
-        assert ("float8_e4m3fn" in by_dtype) == (path == checkpoints[0])
-    assert outs[0] == outs[1] and all(len(v) == 8 for v in outs[0].values())
+    (fp8_tokens, fp8_bytes), (ref_tokens, ref_bytes) = (engine_greedy(path) for path in checkpoints)
+    assert "float8_e4m3fn" in fp8_bytes and "float8_e4m3fn" not in ref_bytes
+    assert fp8_tokens == ref_tokens and all(len(v) == 8 for v in fp8_tokens.values())
