@@ -76,6 +76,12 @@ def _inline_or_file(value: str) -> str:
         sys.exit(f"error: cannot read {value[1:]}: {exc.strerror}")
 
 
+def _quantize(a: argparse.Namespace) -> None:
+    from glm5_cli.quantize import run
+
+    run(a)
+
+
 def _worker(a: argparse.Namespace) -> None:
     from glm5_worker.cli import run
 
@@ -227,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo-model", help="train the shipped demo model (addition) and measure it")
     demo_arguments(d)
     d.set_defaults(func=_demo)
+
+    from glm5_cli.quantize import add_arguments as quantize_arguments
+
+    q = sub.add_parser("quantize", help="quantize a float checkpoint: block FP8, W4A16 or INT4 experts + FP8")
+    quantize_arguments(q)
+    q.set_defaults(func=_quantize)
 
     m = sub.add_parser("init-model", help="write a small random-weight GLM-5-architecture checkpoint")
     m.add_argument("--preset", default="tiny")

@@ -89,7 +89,7 @@ class _NoBar(contextlib.nullcontext[None]):
         pass
 
 
-class _Lazy:
+class Lazy:
     """One checkpoint tensor, not read yet: `read(index)` reads only the indexed part."""
 
     def __init__(self, handle: Any, name: str) -> None:
@@ -112,7 +112,8 @@ class _Lazy:
         return tensor
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, _Lazy]]:
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, Lazy]]:
+    """Every tensor of the checkpoint files, not read yet."""
     for file in files:
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -120,7 +121,7 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, _Lazy]]:
             raise CheckpointError(f"cannot read {file}: {exc}") from exc
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, _Lazy(f, name)
+                yield name, Lazy(f, name)
 
 
 def _split(target: torch.Tensor, dim: int, tp: TensorParallel) -> tuple[tuple[int, ...], tuple[slice, ...]]:
@@ -176,7 +177,7 @@ def load_model(
     # os._exit leaves behind for the resource tracker to warn about
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc) if show else _NoBar()
     with torch.no_grad(), bar:
-        for stored_name, lazy in _iter_tensors(files):
+        for stored_name, lazy in iter_tensors(files):
             name = _canonical(stored_name, stored)
             bar.update(lazy.nbytes)  # scanned, whether this rank reads it all, a part or nothing
             layer_match = _LAYER.match(name)
@@ -250,7 +251,7 @@ def _experts(model: GlmMoeDsaForCausalLM, layer_index: int) -> Experts:
 def _stored_dtypes(files: list[Path]) -> dict[str, str]:
     """Every tensor's stored dtype (safetensors' names: F8_E4M3, BF16, ...), from the headers only."""
     out: dict[str, str] = {}
-    for name, lazy in _iter_tensors(files):
+    for name, lazy in iter_tensors(files):
         out[name] = lazy.dtype
     return out
 
@@ -399,7 +400,7 @@ def _load_expert(
     params: dict[str, torch.Tensor],
     expert_parts: dict[str, set[tuple[int, str]]],
     match: re.Match[str],
-    lazy: _Lazy,
+    lazy: Lazy,
     name: str,
     experts: Experts,
     tp: TensorParallel,

@@ -12,6 +12,7 @@ ranks' partials with one all-reduce.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,8 @@ class Experts(nn.Module):
         self.fp8_block: tuple[int, int] | None = None
         self.int4_group: int | None = None
         self.cpu_kernels: list[tuple[CpuInt4, CpuInt4]] | None = None
+        # calibration (glm5 quantize): called with (global expert id, "gate_up" | "down", that projection's input)
+        self.observer: Callable[[int, str, torch.Tensor], None] | None = None
 
     def to_fp8(self, block: tuple[int, int]) -> None:
         """Block-FP8 weights (before loading): 1 byte per value plus `*_scale_inv`, the gate and up halves'
@@ -182,7 +185,11 @@ class Experts(nn.Module):
             tokens, slots = token_of[start : start + count], slot_of[start : start + count]
             start += count
             gate, up = self._gate_up(x[tokens], e).chunk(2, dim=-1)
-            y = self._down(F.silu(gate) * up, e) * weights[tokens, slots, None]
+            h = F.silu(gate) * up
+            if self.observer is not None:
+                self.observer(self.first_expert + e, "gate_up", x[tokens])
+                self.observer(self.first_expert + e, "down", h)
+            y = self._down(h, e) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
 

@@ -11,8 +11,9 @@ import torch
 from glm5.allocator import retain_freed_memory
 from glm5.devices import resolve_device
 from glm5.kernels import KERNEL_CHOICES
+from glm5.units import parse_bytes
 
-from glm5_worker.config import EngineConfig, parse_bytes
+from glm5_worker.config import EngineConfig
 from glm5_worker.parallel.driver import threads_per_rank
 from glm5_worker.parallel.follower import run_follower_host
 from glm5_worker.server.app import serve_until_signal

@@ -8,7 +8,8 @@ import pytest
 import torch
 from glm5.errors import CapacityError, ConfigError
 from glm5.model.config import ModelConfig
-from glm5_worker.config import EngineConfig, parse_bytes
+from glm5.units import parse_bytes
+from glm5_worker.config import EngineConfig
 from glm5_worker.kv.sizing import CacheSpec, auto_bytes, per_token_bytes, plan_pool
 
 GLM5 = ModelConfig(indexer_types=["full"] * 78, mlp_layer_types=["dense"] * 3 + ["sparse"] * 75)
