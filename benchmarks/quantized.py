@@ -79,7 +79,7 @@ def teacher_forced(model: Path, seqs: list[list[int]]) -> torch.Tensor:
     rec, out = LogitRecorder(engine), []
     for i, seq in enumerate(seqs):
         rec.rows.clear()
-        engine.add_request(f"p{i}", None, seq, SamplingParams(temperature=0.0, max_new_tokens=1))
+        engine.add_request(f"p{i}", None, seq, SamplingParams(temperature=0.0, max_new_tokens=1, prompt_logprobs=True))
         while engine.has_work:
             engine.step()
         out.append(rec.rows[0][: len(seq) - 1])

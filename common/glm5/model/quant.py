@@ -148,6 +148,25 @@ class QuantConfig:
         return group.group_size
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "fp8", "compressed-tensors")
+
+
+def check_quantization(expected: str, raw_config: dict[str, Any], path: str) -> str:
+    """The checkpoint's quantization method ('none' when unquantized), which must be `expected` unless that is
+    'auto' (vLLM's --quantization: a deployment that asks for a format fails at start-up on another)."""
+    qc = raw_config.get("quantization_config") or {}
+    found = str(qc.get("quant_method", "unknown")) if qc else "none"
+    if expected not in QUANTIZATION_CHOICES:
+        raise CheckpointError(f"--quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {expected!r}")
+    if expected != "auto" and expected != found:
+        hint = {"none": "a float checkpoint", "fp8": "`glm5 quantize --scheme fp8-block`",
+                "compressed-tensors": "`glm5 quantize --scheme w4a16` (or w4a16-fp8-mix)"}[expected]  # fmt: skip
+        raise CheckpointError(
+            f"--quantization {expected} but the checkpoint at {path} is {found}; use {hint}, or --quantization auto"
+        )
+    return found
+
+
 def _pair(value: Any, what: str) -> tuple[int, int]:
     if not (isinstance(value, list) and len(value) == 2 and all(isinstance(b, int) and b > 0 for b in value)):
         raise CheckpointError(f"FP8 checkpoints need {what} as [rows, columns], got {value!r}")

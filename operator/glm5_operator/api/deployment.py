@@ -31,6 +31,11 @@ class ModelSource(Spec):
     host_path: str | None = Field(None, description="Host directory holding the checkpoint, mounted at path.")
     served_name: str | None = Field(None, description="Model name clients use (default: the resource name).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weight and compute dtype.")
+    quantization: Literal["auto", "none", "fp8", "compressed-tensors"] = Field(
+        "auto",
+        description="Weight format the checkpoint must have (workers fail at start-up on another): fp8 = block FP8 "
+        "(GLM-5-FP8), compressed-tensors = INT4 / INT4 + FP8, none = float; auto reads the checkpoint.",
+    )
     max_model_len: int = Field(131072, ge=1, description="Context limit in tokens (prompt + generated).")
     max_new_tokens: int = Field(256, ge=1, description="Default max_new_tokens for requests that give none.")
     rope_scaling: RopeScaling | None = Field(None, description="Override the checkpoint's RoPE scaling.")

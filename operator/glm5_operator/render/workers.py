@@ -89,6 +89,7 @@ def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any
         "port": w.port,
         "device": DEVICE_FLAG[w.accelerator],
         "dtype": m.dtype,
+        "quantization": m.quantization,
         "max-model-len": m.max_model_len,
         "default-max-new-tokens": m.max_new_tokens,
         "rope-scaling": rope.type if rope else None,

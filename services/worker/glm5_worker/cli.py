@@ -11,6 +11,7 @@ import torch
 from glm5.allocator import retain_freed_memory
 from glm5.devices import resolve_device
 from glm5.kernels import KERNEL_CHOICES
+from glm5.model.quant import QUANTIZATION_CHOICES
 from glm5.units import parse_bytes
 
 from glm5_worker.config import EngineConfig
@@ -29,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", default=d.kernels, choices=KERNEL_CHOICES,
                    help="DSA kernels: auto = Triton on CUDA when installed, else portable PyTorch")  # fmt: skip
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_CHOICES,
+                   help="weight format the checkpoint must have: fp8 (block FP8), compressed-tensors (INT4 / FP8), "
+                   "none (float); auto loads whatever it stores")  # fmt: skip
     p.add_argument("--max-model-len", type=int, help="context limit (default min(131072, checkpoint limit))")
     p.add_argument("--rope-scaling", choices=["linear", "yarn"], help="override the checkpoint's RoPE scaling")
     p.add_argument("--rope-factor", type=float, help="RoPE scaling factor, a power of two")
@@ -82,6 +86,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=a.model,
         served_model_name=a.served_model_name,
         dtype=a.dtype,
+        quantization=a.quantization,
         device=a.device,
         kernels=a.kernels,
         max_model_len=a.max_model_len,

@@ -17,6 +17,7 @@ class EngineConfig:
     model: str | None = None  # checkpoint directory; None serves the default model
     served_model_name: str | None = None
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on accelerators
+    quantization: str = "auto"  # the checkpoint's weight format must be this one (auto: whatever it stores)
     device: str = "auto"
     kernels: str = "auto"  # DSA kernels: auto = Triton on CUDA when installed, else portable PyTorch
     max_model_len: int | None = None  # default: min(131072, the checkpoint's max positions x RoPE factor)

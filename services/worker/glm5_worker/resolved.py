@@ -4,6 +4,7 @@ the same object, so each part of the engine gets this one object instead of a li
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from glm5.errors import ConfigError
 from glm5.model.config import ModelConfig, RopeConfig
 from glm5.model.loader import parse_dtype
 from glm5.model.presets import default_model_path
+from glm5.model.quant import check_quantization
 from glm5.parallel import check_divisible
 
 from glm5_worker.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
@@ -68,6 +70,7 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     kv_dtype = parse_dtype(config.kv_cache_dtype) if config.kv_cache_dtype != "auto" else dtype
     index_dtype = parse_dtype(config.kv_index_dtype) if config.kv_index_dtype != "auto" else kv_dtype
     model = ModelConfig.from_file(model_dir)
+    check_quantization(config.quantization, json.loads((model_dir / "config.json").read_text()), str(model_dir))
     base_max_positions = model.max_position_embeddings
     rope = _rope_override(config, model)
     if rope is not None:

@@ -171,3 +171,16 @@ def test_engine_serves_an_fp8_checkpoint_like_its_dequantized_twin(checkpoints: 
     (fp8_tokens, fp8_bytes), (ref_tokens, ref_bytes) = (engine_greedy(path) for path in checkpoints)
     assert "float8_e4m3fn" in fp8_bytes and "float8_e4m3fn" not in ref_bytes
     assert fp8_tokens == ref_tokens and all(len(v) == 8 for v in fp8_tokens.values())
+
+
+def test_worker_quantization_flag_must_match_the_checkpoint(checkpoints: tuple[Path, Path]) -> None:
+    from glm5_worker.config import EngineConfig
+    from glm5_worker.resolved import resolve
+
+    fp8, dequantized = checkpoints
+    assert resolve(EngineConfig(model=str(fp8), quantization="fp8")).model.hidden_size > 0
+    assert resolve(EngineConfig(model=str(dequantized), quantization="none")).model.hidden_size > 0
+    with pytest.raises(CheckpointError, match=r"--quantization compressed-tensors but the checkpoint at .* is fp8"):
+        resolve(EngineConfig(model=str(fp8), quantization="compressed-tensors"))
+    with pytest.raises(CheckpointError, match=r"--quantization fp8 but the checkpoint at .* is none; use `glm5 quantize"):
+        resolve(EngineConfig(model=str(dequantized), quantization="fp8"))
