@@ -182,5 +182,7 @@ def test_worker_quantization_flag_must_match_the_checkpoint(checkpoints: tuple[P
     assert resolve(EngineConfig(model=str(dequantized), quantization="none")).model.hidden_size > 0
     with pytest.raises(CheckpointError, match=r"--quantization compressed-tensors but the checkpoint at .* is fp8"):
         resolve(EngineConfig(model=str(fp8), quantization="compressed-tensors"))
-    with pytest.raises(CheckpointError, match=r"--quantization fp8 but the checkpoint at .* is none; use `glm5 quantize"):
+    with pytest.raises(
+        CheckpointError, match=r"--quantization fp8 but the checkpoint at .* is none; use `glm5 quantize"
+    ):
         resolve(EngineConfig(model=str(dequantized), quantization="fp8"))

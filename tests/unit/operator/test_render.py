@@ -63,7 +63,8 @@ def test_strict_validation_would_catch_a_mistake() -> None:
 def test_engine_config_is_what_glm5_worker_reads(tmp_path: Path) -> None:
     spec = parse_deployment({
         "model": {"path": "/models/glm5", "dtype": "bfloat16", "maxModelLen": 65536, "maxNewTokens": 512,
-                  "quantization": "compressed-tensors", "ropeScaling": {"type": "yarn", "factor": 4, "originalMaxPositionEmbeddings": 16384}},
+                  "quantization": "compressed-tensors",
+                  "ropeScaling": {"type": "yarn", "factor": 4, "originalMaxPositionEmbeddings": 16384}},
         "sparseAttention": {"denseWarmupTokens": 0, "dynamicSparsity": True, "kernels": "portable"},
         "kvCache": {"bytes": "40GiB", "int8Tier": False, "l1Tokens": 256, "blockSize": 128, "prefixCaching": False,
                     "dtype": "float16", "indexDtype": "bfloat16"},
