@@ -26,6 +26,11 @@ def fp8_scheme(targets: list[str], block: int) -> QuantizationScheme:
     return QuantizationScheme(targets=targets, weights=weights, input_activations=inputs, format="float-quantized")
 
 
+# 2-D weights that are not nn.Linear modules in transformers' model (what the `Linear` target means), and lm_head,
+# which the configs written here ignore
+NOT_LINEAR = re.compile(r"(embed_tokens|mlp\.gate|lm_head)$")
+
+
 def _matches(scheme: QuantizationScheme, module: str) -> bool:
     # compressed-tensors' targets: a regex on the module name, a class name (every weight here is a Linear's) or a name
     return any(re.match(t[3:], module) if t.startswith("re:") else t in ("Linear", module) for t in scheme.targets)
@@ -49,7 +54,8 @@ def write_compressed(src: Path, out: Path, schemes: list[QuantizationScheme]) ->
     written: dict[str, torch.Tensor] = {}
     for name, t in load_file(str(src / "model.safetensors")).items():
         module = name.removesuffix(".weight")
-        scheme = next((s for s in schemes if name.endswith(".weight") and _matches(s, module)), None)
+        linear = name.endswith(".weight") and t.dim() == 2 and not NOT_LINEAR.search(module)
+        scheme = next((s for s in schemes if linear and _matches(s, module)), None)
         if scheme is None:
             written[name] = t
             continue

@@ -85,7 +85,9 @@ class Indexer(nn.Module):
         q = torch.cat([apply_interleaved(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim :]], dim=-1)
         k = self.k_norm(self.wk(x))
         k = torch.cat([apply_interleaved(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim :]], dim=-1)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.num_heads**-0.5
+        # float32 like the reference; a quantized weights_proj dequantizes to the input's dtype, so float32 too
+        wp = self.weights_proj
+        w = wp(x.to(wp.weight.dtype if isinstance(wp, nn.Linear) else torch.float32)).float() * self.num_heads**-0.5
         return q.float(), k, w
 
 
