@@ -33,6 +33,7 @@ from glm5_cli.quantize import collect_hessians, read_calibration
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
+from kv_tiers import LogitRecorder  # benchmarks/ is on the path: python benchmarks/quantized.py
 
 CALIBRATION = SHIPPED_MODEL.parent / "calibration" / "addition.jsonl"
 MEDIUM = dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, n_routed_experts=32,
@@ -58,19 +59,6 @@ def variants(src: Path, work: Path, group: int) -> dict[str, tuple[Path, float]]
         summary = quantize_checkpoint(src, path, recipe, hessians=hessians, progress=False, log=quiet)
         out[name] = (path, summary.stored_bytes_quantized / summary.float_bytes_quantized)
     return out
-
-
-class LogitRecorder:
-    def __init__(self, engine: Engine) -> None:
-        self.rows: list[torch.Tensor] = []
-        original = engine.model.forward
-
-        def forward(*args, **kwargs):  # type: ignore[no-untyped-def]
-            out = original(*args, **kwargs)
-            self.rows.append(out.detach().float().clone())
-            return out
-
-        engine.model.forward = forward  # type: ignore[method-assign]
 
 
 def teacher_forced(model: Path, seqs: list[list[int]]) -> torch.Tensor:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
 from glm5.errors import ConfigError, Glm5Error
+from glm5.yamlfile import read_yaml
 
 
 def _init_model(a: argparse.Namespace) -> None:
@@ -260,12 +260,7 @@ def _add_config_file(p: argparse.ArgumentParser) -> None:
 
 def _config_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     """Flag values from a config file, checked against the sub-command's flags so a typo is an error."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML/JSON: {exc}") from exc
+    data = read_yaml(path, "config file", kind="YAML/JSON")
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from glm5.kvcache.storage import KVLayout, PagedKVStorage
 from glm5.model.attention import DSAControls
 from glm5.model.batch import DecodeGroup, ForwardBatch, PrefillChunk
 from glm5.model.model import GlmMoeDsaForCausalLM
+from safetensors.torch import load_file, save_file
 
 TINY: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -140,3 +142,16 @@ def engine_greedy(path: Path, new_tokens: int = 8) -> tuple[dict[str, list[int]]
         for o in engine.step():
             got.setdefault(o.request_id, []).extend(o.token_ids)
     return got, dict(engine.stats().ranks[0].weight_bytes_by_dtype)
+
+
+def rewrite_checkpoint(src: Path, out: Path, edit: Any, config_edit: Any = None) -> Path:
+    """A copy of the single-file checkpoint at `src` with its tensors (and quantization_config) edited in place."""
+    out.mkdir()
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if config_edit:
+        config_edit(config["quantization_config"])
+    (out / "config.json").write_text(json.dumps(config))
+    return out

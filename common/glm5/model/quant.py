@@ -256,8 +256,8 @@ class CpuInt4:
         unsigned = unpack_int4(packed, cols).to(torch.int32) + 8
         self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
         # the kernel computes (q - 8) * scale + zero: symmetric int4 has zero 0
-        self.scales_and_zeros = torch.stack([scale.t(), torch.zeros_like(scale.t())], dim=-1).to(torch.bfloat16)
-        self.scales_and_zeros = self.scales_and_zeros.contiguous()
+        zeros = torch.zeros_like(scale.t())
+        self.scales_and_zeros = torch.stack([scale.t(), zeros], dim=-1).to(torch.bfloat16).contiguous()
 
     @staticmethod
     def fits(rows: int, cols: int, group: int, device: torch.device) -> bool:

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from glm5.errors import ConfigError
+from glm5.yamlfile import read_yaml
 
 SCHEMES = ("fp8-block", "w4a16", "w4a16-fp8-mix")
 DEFAULTS = Path(__file__).parent / "recipes"
@@ -69,13 +68,7 @@ def load_recipe(scheme: str | None, path: Path | None) -> Recipe:
         if scheme not in SCHEMES:
             raise ConfigError(f"--scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
         path = DEFAULTS / f"{scheme}.yaml"
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read recipe {path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"recipe {path} is not valid YAML: {exc}") from exc
-    recipe = _parse(raw, path)
+    recipe = _parse(read_yaml(path, "recipe"), path)
     if scheme is not None and scheme != recipe.scheme:
         raise ConfigError(f"--scheme {scheme} disagrees with recipe {path} (scheme: {recipe.scheme})")
     return recipe

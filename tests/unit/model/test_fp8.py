@@ -8,7 +8,6 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from glm5.model.quant import FP8, Fp8Linear
 from glm5.parallel import TensorParallel
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.oracle import engine_greedy, hf_checkpoint, step_logits
+from tests.helpers.oracle import engine_greedy, hf_checkpoint, rewrite_checkpoint, step_logits
 from tests.helpers.ranks import run_ranks
 
 BLOCK = (16, 16)
@@ -136,15 +135,6 @@ def test_fp8_over_two_ranks_reads_whole_blocks(
         load_model(coarse, tp=TensorParallel(1, 2))
 
 
-def _broken(src: Path, out: Path, edit: Any) -> Path:
-    out.mkdir()
-    tensors = load_file(str(src / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text((src / "config.json").read_text())
-    return out
-
-
 def test_broken_fp8_checkpoints_name_the_tensor(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
     fp8, _ = checkpoints
     name = "model.layers.0.self_attn.q_b_proj.weight"
@@ -156,10 +146,10 @@ def test_broken_fp8_checkpoints_name_the_tensor(checkpoints: tuple[Path, Path], 
         t[name + "_scale_inv"] = torch.ones(2, 2)
 
     with pytest.raises(CheckpointError, match=re.escape(f"{name} is float8 but {name}_scale_inv is missing")):
-        load_model(_broken(fp8, tmp_path / "a", drop_scale))
+        load_model(rewrite_checkpoint(fp8, tmp_path / "a", drop_scale))
     with pytest.raises(CheckpointError, match=re.escape(f"{name}_scale_inv has shape (2, 2)")):
-        load_model(_broken(fp8, tmp_path / "b", bad_scale))
-    no_config = _broken(fp8, tmp_path / "c", lambda t: None)
+        load_model(rewrite_checkpoint(fp8, tmp_path / "b", bad_scale))
+    no_config = rewrite_checkpoint(fp8, tmp_path / "c", lambda t: None)
     config = json.loads((no_config / "config.json").read_text())
     del config["quantization_config"]
     (no_config / "config.json").write_text(json.dumps(config))

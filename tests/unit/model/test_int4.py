@@ -5,7 +5,6 @@ tensor; bfloat16 on a CPU runs PyTorch's int4 matmul."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,8 @@ from glm5.errors import CheckpointError
 from glm5.model.loader import load_model
 from glm5.model.quant import FP8, Fp8Linear, Int4Linear, pack_int4, unpack_int4
 from glm5.parallel import TensorParallel
-from safetensors.torch import load_file, save_file
 
-from tests.helpers.oracle import engine_greedy, hf_checkpoint, step_logits
+from tests.helpers.oracle import engine_greedy, hf_checkpoint, rewrite_checkpoint, step_logits
 from tests.helpers.ranks import run_ranks
 
 ct = pytest.importorskip("compressed_tensors")
@@ -91,18 +89,6 @@ def test_int4_over_two_ranks_reads_whole_groups(float_checkpoint: Path, tmp_path
         load_model(coarse, tp=TensorParallel(1, 2, expert_parallel=False))
 
 
-def _broken(src: Path, out: Path, edit: Any, config_edit: Any = None) -> Path:
-    out.mkdir()
-    tensors = load_file(str(src / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    if config_edit:
-        config_edit(config["quantization_config"])
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 def test_broken_int4_checkpoints_name_the_tensor(mixed: tuple[Path, Path], tmp_path: Path) -> None:
     packed, _ = mixed
     name = "model.layers.1.mlp.experts.3.down_proj"
@@ -122,15 +108,15 @@ def test_broken_int4_checkpoints_name_the_tensor(mixed: tuple[Path, Path], tmp_p
     with pytest.raises(
         CheckpointError, match=re.escape(f"{name}.weight_packed is packed INT4 but {name}.weight_scale is missing")
     ):
-        load_model(_broken(packed, tmp_path / "a", drop_scale))
+        load_model(rewrite_checkpoint(packed, tmp_path / "a", drop_scale))
     with pytest.raises(CheckpointError, match=re.escape(f"{name}.weight_scale has shape (64, 3)")):
-        load_model(_broken(packed, tmp_path / "b", bad_scale))
+        load_model(rewrite_checkpoint(packed, tmp_path / "b", bad_scale))
     with pytest.raises(
         CheckpointError, match=re.escape(f"{name}.weight_shape says (64, 48) but the config needs (64, 32)")
     ):
-        load_model(_broken(packed, tmp_path / "c", bad_shape))
+        load_model(rewrite_checkpoint(packed, tmp_path / "c", bad_shape))
     with pytest.raises(CheckpointError, match="asymmetric int4 packed weights are not supported"):
-        load_model(_broken(packed, tmp_path / "d", lambda t: None, asymmetric))
+        load_model(rewrite_checkpoint(packed, tmp_path / "d", lambda t: None, asymmetric))
 
 
 def test_bfloat16_on_cpu_runs_the_int4_kernel(float_checkpoint: Path, tmp_path: Path) -> None:
