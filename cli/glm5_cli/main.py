@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 from glm5.errors import ConfigError, Glm5Error
+from glm5.security import add_tls_arguments
 from glm5.yamlfile import read_yaml
 
 
@@ -21,11 +22,14 @@ def _init_model(a: argparse.Namespace) -> None:
 
 
 def _generate(a: argparse.Namespace) -> None:
-    from glm5.client import WorkerClient, sampling
+    from glm5.client import GenerateClient, sampling
+    from glm5.security import read_secrets, tls_from_args
     from glm5.v1 import common_pb2, worker_pb2
 
+    keys = read_secrets((), a.api_key_env, None, "API key")
+
     async def go() -> int:
-        async with WorkerClient(a.target) as client:
+        async with GenerateClient(a.target, tls_from_args(a), keys[0] if keys else None) as client:
             request = worker_pb2.GenerateRequest(
                 prompt=a.prompt,
                 sampling=sampling(
@@ -206,7 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a completion from a worker or router")
     g.add_argument("prompt")
-    g.add_argument("--target", default="localhost:50051", help="host:port of a worker or router")
+    g.add_argument("--target", default="localhost:50050",
+                   help="host:port of a router (glm5 serve's gRPC port) or of a worker")  # fmt: skip
+    g.add_argument("--api-key-env", help="environment variable holding the router's API key")
+    add_tls_arguments(g)
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)

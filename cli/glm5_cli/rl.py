@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from glm5.errors import ConfigError
 from glm5_cli.serve import free_port, stop_processes, wait_serving
 
 log = logging.getLogger("glm5.rl")
+ADMIN_ENV = "GLM5_ADMIN_TOKEN"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,13 +47,20 @@ def run(a: argparse.Namespace) -> None:
         raise ConfigError("--workers must be >= 1")
     model = Path(a.model) if a.model else default_model_path()
     python = [sys.executable, "-m", "glm5_cli"]
+    out = Path(a.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # Weight pushes need the workers' admin token: a fresh one per run, handed to the workers and the trainer in
+    # their environment (never on a command line, which `ps` shows), and loads only from the run's folder.
+    env = {**os.environ, ADMIN_ENV: secrets.token_urlsafe(32)}
+    admin = ["--admin-token-env", ADMIN_ENV]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         engines = []
         for _ in range(a.workers):
             port = free_port()
             procs.append(subprocess.Popen([*python, "worker", "--model", str(model), "--host", "127.0.0.1",
-                                           "--port", str(port), *a.worker_arg], env=os.environ.copy()))  # fmt: skip
+                                           "--port", str(port), *admin, "--weights-root", str(out),
+                                           *a.worker_arg], env=env))  # fmt: skip
             engines.append(f"127.0.0.1:{port}")
         for target, proc in zip(engines, procs, strict=True):
             wait_serving(target, proc, a.startup_timeout, "worker")
@@ -62,9 +71,9 @@ def run(a: argparse.Namespace) -> None:
                                        gateway.rpartition(":")[2], *engine_flags, *redis]))  # fmt: skip
         wait_serving(gateway, procs[-1], 60, "TITO gateway")
         trainer = subprocess.Popen([*python, "trainer", "--policy", str(model), "--gateway", gateway, *engine_flags,
-                                    "--checkpoint-dir", a.out, "--mode", a.mode, "--steps", str(a.steps),
-                                    "--learning-rate", str(a.learning_rate), "--seed", str(a.seed), *redis,
-                                    *a.trainer_arg])  # fmt: skip
+                                    "--checkpoint-dir", str(out), "--mode", a.mode, "--steps", str(a.steps),
+                                    "--learning-rate", str(a.learning_rate), "--seed", str(a.seed), *redis, *admin,
+                                    *a.trainer_arg], env=env)  # fmt: skip
         procs.append(trainer)
         code = trainer.wait()
         if code:

@@ -33,3 +33,15 @@ class DeadlineError(Glm5Error):
 
 class UnavailableError(Glm5Error):
     """No worker could serve the request, or a stream broke after tokens were sent (never retried then)."""
+
+
+class BindError(Glm5Error, OSError):
+    """A server cannot listen on its address: the port is taken or the address is not on this host."""
+
+
+MAX_MESSAGE_CHARS = 1000  # an error may echo user input (a pattern, a schema); gRPC metadata holds ~8 KiB
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`message` cut to `limit` characters, saying how much was left out."""
+    return message if len(message) <= limit else f"{message[:limit]}... ({len(message) - limit} more characters)"

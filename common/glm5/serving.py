@@ -13,6 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from glm5.errors import BindError, bounded
+from glm5.security import NO_TLS, TlsConfig, add_port
 from glm5.v1 import worker_pb2
 
 MESSAGE_LIMIT = 64 << 20
@@ -22,27 +24,58 @@ log = logging.getLogger(__name__)
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=list(interceptors),
-        options=[("grpc.max_receive_message_length", MESSAGE_LIMIT), ("grpc.max_send_message_length", MESSAGE_LIMIT)],
+        options=[
+            ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+            ("grpc.max_send_message_length", MESSAGE_LIMIT),
+            # gRPC's default lets a second server bind the same port and take half its connections silently
+            ("grpc.so_reuseport", 0),
+        ],
     )
 
 
 async def start_serving(
-    server: grpc.aio.Server, service_name: str, add_service: Callable[[grpc.aio.Server], None], host: str, port: int
+    server: grpc.aio.Server,
+    service_name: str,
+    add_service: Callable[[grpc.aio.Server], None],
+    host: str,
+    port: int,
+    tls: TlsConfig = NO_TLS,
 ) -> tuple[HealthServicer, int]:
-    """Adds the service, grpc.health.v1 and reflection, binds host:port (0: any free port), starts, and reports
-    SERVING for "" and the service. Returns the health servicer (for graceful shutdown) and the bound port."""
+    """Adds the service, grpc.health.v1 and reflection, binds host:port (0: any free port; TLS when `tls` is on),
+    starts, and reports SERVING for "" and the service. Returns the health servicer (for graceful shutdown) and
+    the bound port. A port that cannot be bound is a BindError naming it."""
     add_service(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((service_name, health_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = add_port(server, f"{host}:{port}", tls)
+    except RuntimeError:  # grpc raises this (no errno) when the address is taken or not local
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise BindError(f"cannot listen on {host}:{port} (gRPC): the port is in use or the address is not on this host")
     await server.start()
     for name in ("", service_name):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return health, bound
+
+
+async def start_health_server(health: HealthServicer, host: str, port: int) -> grpc.aio.Server:
+    """grpc.health.v1 alone, in plain text, on its own port: Kubernetes' gRPC probes cannot speak TLS, so a server
+    whose API port wants mutual TLS answers its probes here (it reveals only SERVING or NOT_SERVING)."""
+    server = new_server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise BindError(
+            f"cannot listen on {host}:{port} (health): the port is in use or the address is not on this host"
+        )
+    await server.start()
+    return server
 
 
 async def resolve_service(target: str) -> set[str]:
@@ -58,6 +91,7 @@ class RequestFailed(Exception):
     request ends (with error_code) and the stream goes on."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        message = bounded(message)  # it travels in gRPC trailers, which hold a few KiB
         super().__init__(message)
         self.code = code
         self.message = message

@@ -29,6 +29,7 @@ PLURALS = {
     "StatefulSet": "statefulsets",
     "Deployment": "deployments",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
     "GLM5Deployment": "glm5deployments",
     "RLJob": "rljobs",
 }

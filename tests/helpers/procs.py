@@ -11,7 +11,17 @@ import time
 from pathlib import Path
 
 import grpc
+from glm5.security import NO_TLS, Secret, TlsConfig, sync_channel
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+# UpdateWeights needs an admin caller and a weights root: workers started here get the token in their environment
+ADMIN_ENV = "GLM5_TEST_ADMIN_TOKEN"
+ADMIN_TOKEN = Secret("test-admin-token")
+
+
+def admin_flags(weights_root: Path) -> tuple[str, ...]:
+    """`glm5 worker` flags that let ADMIN_TOKEN's holders load checkpoints from under `weights_root`."""
+    return ("--admin-token-env", ADMIN_ENV, "--weights-root", str(weights_root))
 
 
 def free_port() -> int:
@@ -20,9 +30,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_serving(target: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(target: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
+                 tls: TlsConfig = NO_TLS) -> None:  # fmt: skip
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    with sync_channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -37,15 +48,16 @@ def wait_serving(target: str, timeout: float = 120.0, proc: subprocess.Popen | N
 
 
 def start_worker(
-    model: Path, *extra: str, log: Path | None = None, port: int | None = None
+    model: Path, *extra: str, log: Path | None = None, port: int | None = None, tls: TlsConfig = NO_TLS
 ) -> tuple[subprocess.Popen, str]:
     port = port or free_port()
     cmd = [sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *extra]  # fmt: skip
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    env = {**os.environ, ADMIN_ENV: ADMIN_TOKEN.value}
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     target = f"127.0.0.1:{port}"
-    wait_serving(target, proc=proc)
+    wait_serving(target, proc=proc, tls=tls)
     return proc, target
 
 
@@ -60,16 +72,18 @@ def stop(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     return proc.returncode
 
 
-def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0, ca: Path | None = None) -> None:
+    import ssl
     import urllib.error
     import urllib.request
 
+    context = ssl.create_default_context(cafile=str(ca)) if ca else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before serving {url}")
         try:
-            with urllib.request.urlopen(url, timeout=1):
+            with urllib.request.urlopen(url, timeout=1, context=context):
                 return
         except urllib.error.HTTPError:
             return  # it answers (503 while no worker is ready is still an answer)
@@ -91,18 +105,26 @@ def start_scripted_worker(
     return proc, target
 
 
-def start_router(workers: list[str], *extra: str, log: Path | None = None) -> tuple[subprocess.Popen, str, str]:
-    """A `glm5 router` process: (process, gRPC target, HTTP base URL ending in /v1)."""
+def start_router(
+    workers: list[str],
+    *extra: str,
+    log: Path | None = None,
+    tls: TlsConfig = NO_TLS,
+    https_ca: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, str, str]:
+    """A `glm5 router` process: (process, gRPC target, HTTP base URL ending in /v1); `tls` to reach its gRPC
+    port, `https_ca` when it serves HTTPS."""
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "glm5_cli", "router", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
            "--http-port", str(http_port), "--stats-interval", "0.2", *extra]  # fmt: skip
     for w in workers:
         cmd += ["--worker", w]
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
-    base = f"http://127.0.0.1:{http_port}"
-    wait_http(base + "/health", proc)
-    wait_serving(f"127.0.0.1:{grpc_port}", proc=proc)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    base = f"{'https' if https_ca else 'http'}://127.0.0.1:{http_port}"
+    wait_http(base + "/health", proc, ca=https_ca)
+    wait_serving(f"127.0.0.1:{grpc_port}", proc=proc, tls=tls)
     return proc, f"127.0.0.1:{grpc_port}", base + "/v1"
 
 

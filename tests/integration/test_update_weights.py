@@ -10,9 +10,10 @@ import grpc
 import pytest
 from glm5.client import sampling
 from glm5.model.presets import init_model
+from glm5.security import Secret, admin_metadata
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
-from tests.helpers.procs import start_worker, stop
+from tests.helpers.procs import ADMIN_TOKEN, admin_flags, start_worker, stop
 
 FLAGS = ("--max-model-len", "2048", "--kv-cache-bytes", "64MiB", "--block-size", "16")
 PROMPT = " ".join(f"w{i}" for i in range(60))  # several full KV blocks: the prefix cache gets involved
@@ -40,7 +41,7 @@ def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path, ex
     for name in ("tokenizer.json", "tokenizer_config.json"):  # RL updates keep the tokenizer
         shutil.copy(tiny_model / name, new_ckpt / name)
     other = init_model(tmp_path / "shallow", preset="tiny-shallow", seed=0)
-    proc, target = start_worker(tiny_model, *FLAGS, *extra)
+    proc, target = start_worker(tiny_model, *FLAGS, *extra, *admin_flags(tmp_path))
     ref_proc, ref_target = start_worker(new_ckpt, *FLAGS)  # what the new weights must produce
 
     async def go() -> None:
@@ -58,7 +59,9 @@ def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path, ex
                 versions += [r.weight_version] * len(r.token_ids)
                 if len(versions) >= 20:
                     break
-            update = stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=7, location=str(new_ckpt)))
+            admin = admin_metadata(ADMIN_TOKEN)
+            update = stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=7, location=str(new_ckpt)),
+                                        metadata=admin)  # fmt: skip
             async for r in stream:  # the in-flight request continues through the swap
                 versions += [r.weight_version] * len(r.token_ids)
             reply = await update
@@ -68,16 +71,25 @@ def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path, ex
             info = await stub.GetModelInfo(worker_pb2.GetModelInfoRequest())
             assert info.weight_version == 7
 
-            bad = grpc.StatusCode.FAILED_PRECONDITION
-            for version, location, code, message in [
-                (7, new_ckpt, bad, "greater"),
-                (8, tmp_path / "nope", grpc.StatusCode.INVALID_ARGUMENT, "location"),
-                (8, other, bad, "geometry"),
-                (8, other_tokenizer, bad, "tokenizer"),
+            bad, denied = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED
+            (tmp_path / "escape").symlink_to(tiny_model)
+            for version, location, code, message, meta in [
+                (7, new_ckpt, bad, "greater", admin),
+                (8, tmp_path / "nope", grpc.StatusCode.INVALID_ARGUMENT, "location", admin),
+                (8, other, bad, "geometry", admin),
+                (8, other_tokenizer, bad, "tokenizer", admin),
+                (8, new_ckpt, denied, "not an administrator", ()),  # no token
+                (8, new_ckpt, denied, "not an administrator", admin_metadata(Secret("wrong"))),
+                (8, tiny_model, denied, "inside the weights root", admin),  # outside the root
+                (8, tmp_path / "escape", denied, "inside the weights root", admin),  # a symlink out of it
+                (8, f"{tmp_path}/x/../tiny-seed1", denied, "'..'", admin),
             ]:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)))
+                    await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)),
+                                             metadata=meta)  # fmt: skip
                 assert err.value.code() == code and message in (err.value.details() or "")
+            info = await stub.GetModelInfo(worker_pb2.GetModelInfoRequest())
+            assert info.weight_version == 7  # nothing refused changed anything
         after, v1 = await _greedy(target)
         assert v1 == {7}
         # Exactly the new checkpoint's output: no KV computed with the old weights was reused from the cache.

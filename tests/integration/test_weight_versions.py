@@ -14,7 +14,7 @@ from glm5.model.loader import load_model
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 from glm5_trainer.versions import WeightVersions, sync_workers
 
-from tests.helpers.procs import start_worker, stop
+from tests.helpers.procs import ADMIN_TOKEN, admin_flags, start_worker, stop
 
 
 class Clock:
@@ -54,9 +54,10 @@ def test_versions_publish_and_sync(tiny_model: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="1800"):
         WeightVersions(model, tmp_path, tiny_model, sync_interval_s=3600)
 
-    proc, target = start_worker(tiny_model, "--max-model-len", "1024", "--kv-cache-bytes", "32MiB")
+    flags = ("--max-model-len", "1024", "--kv-cache-bytes", "32MiB", *admin_flags(tmp_path))
+    proc, target = start_worker(tiny_model, *flags)
     try:
-        times = asyncio.run(sync_workers([target], v.synced, path))
+        times = asyncio.run(sync_workers([target], v.synced, path, admin_token=ADMIN_TOKEN))
         assert set(times) == {target} and times[target] > 0
 
         async def check() -> int:

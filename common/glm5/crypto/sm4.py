@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +36,12 @@ class Sealed:
     nonce: bytes
     ciphertext: bytes  # ciphertext || tag
     sequence: int = 0
+    issued_at_ms: int = 0  # authenticated: a replay window can trust it
 
 
-def associated_data(request_id: str, sequence: int) -> bytes:
-    return request_id.encode() + b"\0" + sequence.to_bytes(8, "big")
+def associated_data(request_id: str, sequence: int, issued_at_ms: int = 0) -> bytes:
+    return (request_id.encode() + b"\0" + sequence.to_bytes(8, "big")
+            + issued_at_ms.to_bytes(8, "big", signed=True))  # fmt: skip
 
 
 class KeyRing:
@@ -72,12 +75,13 @@ class KeyRing:
             keys[f.name] = _decode_key(f.name, f.read_bytes())
         return cls(keys, active)
 
-    def seal(self, plaintext: bytes, request_id: str, sequence: int = 0) -> Sealed:
+    def seal(self, plaintext: bytes, request_id: str, sequence: int = 0, issued_at_ms: int | None = None) -> Sealed:
         nonce = os.urandom(NONCE_BYTES)
+        issued = int(time.time() * 1000) if issued_at_ms is None else issued_at_ms
         enc = Cipher(algorithms.SM4(self.keys[self.active]), modes.GCM(nonce)).encryptor()
-        enc.authenticate_additional_data(associated_data(request_id, sequence))
+        enc.authenticate_additional_data(associated_data(request_id, sequence, issued))
         body = enc.update(plaintext) + enc.finalize()
-        return Sealed(self.active, nonce, body + enc.tag, sequence)
+        return Sealed(self.active, nonce, body + enc.tag, sequence, issued)
 
     def open(self, sealed: Sealed, request_id: str) -> bytes:
         key = self.keys.get(sealed.key_id)
@@ -89,11 +93,47 @@ class KeyRing:
             raise EnvelopeError("ciphertext is shorter than the GCM tag")
         body, tag = sealed.ciphertext[:-TAG_BYTES], sealed.ciphertext[-TAG_BYTES:]
         dec = Cipher(algorithms.SM4(key), modes.GCM(sealed.nonce, tag)).decryptor()
-        dec.authenticate_additional_data(associated_data(request_id, sealed.sequence))
+        dec.authenticate_additional_data(associated_data(request_id, sealed.sequence, sealed.issued_at_ms))
         try:
             return dec.update(body) + dec.finalize()
         except InvalidTag:
             raise EnvelopeError("authentication failed: wrong key, tampered data or wrong request") from None
+
+
+class ReplayGuard:
+    """Refuses a sealed request older than `window_s`, from the future by more than `skew_s`, or whose request id
+    was already accepted within the window. Memory is bounded: when `max_entries` ids are remembered the oldest
+    go, and from then on requests issued before the newest forgotten one are refused as too old."""
+
+    def __init__(self, window_s: float = 300.0, max_entries: int = 200_000, skew_s: float = 30.0) -> None:
+        self.window_ms, self.skew_ms, self.max_entries = int(window_s * 1000), int(skew_s * 1000), max_entries
+        self.seen: dict[tuple[str, str], int] = {}  # (key id, request id) -> issued_at_ms, in insertion order
+        self.floor_ms = 0
+
+    def check(self, sealed: Sealed, request_id: str, now_ms: int | None = None) -> None:
+        """Call after the envelope opened (its issued_at_ms is authentic); raises EnvelopeError on a replay."""
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        issued = sealed.issued_at_ms
+        if issued < now - self.window_ms or issued < self.floor_ms:
+            raise EnvelopeError(f"the sealed request is older than the {self.window_ms // 1000} s replay window "
+                                "(or was sealed without a time): seal it again")  # fmt: skip
+        if issued > now + self.skew_ms:
+            raise EnvelopeError("the sealed request is dated in the future: check the client's clock")
+        self._expire(now)
+        key = (sealed.key_id, request_id)
+        if key in self.seen:
+            raise EnvelopeError(f"request id {request_id!r} was already served: a replayed envelope is refused")
+        self.seen[key] = issued
+        while len(self.seen) > self.max_entries:
+            oldest = next(iter(self.seen))
+            self.floor_ms = max(self.floor_ms, self.seen.pop(oldest) + 1)
+
+    def _expire(self, now: int) -> None:
+        # insertion order is close to issue order; stop at the first entry still inside the window
+        for key, issued in list(self.seen.items()):
+            if issued >= now - self.window_ms:
+                break
+            del self.seen[key]
 
 
 class StreamOpener:

@@ -19,6 +19,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from glm5.errors import CheckpointError, InvalidRequestError
 
+BOUNDED_PIECE_CHARS = 32 << 10
+
 
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
@@ -65,6 +67,26 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_bounded(self, text: str, max_tokens: int, add_special_tokens: bool = False,
+                       field: str = "prompt") -> list[int]:  # fmt: skip
+        """encode(), for untrusted input: a text of more than `max_tokens` tokens raises InvalidRequestError after
+        reading about `max_tokens` tokens' worth of it, in pieces (memory stays bounded: a 2 MB text encoded whole
+        holds ~160 MB of offsets and strings). HF tokenizers release the GIL in encode_batch only, so it is used
+        throughout: from a thread, this leaves the event loop free."""
+        if len(text) > BOUNDED_PIECE_CHARS:
+            counted = 0
+            for start in range(0, len(text), BOUNDED_PIECE_CHARS * 4):
+                end = min(start + BOUNDED_PIECE_CHARS * 4, len(text))
+                pieces = [text[i : i + BOUNDED_PIECE_CHARS] for i in range(start, end, BOUNDED_PIECE_CHARS)]
+                counted += sum(len(e.ids) for e in self._tok.encode_batch(pieces, add_special_tokens=False))
+                # a word cut at a piece edge may count one token more: allow that per piece
+                if counted - 2 * (end // BOUNDED_PIECE_CHARS + 1) > max_tokens:
+                    raise InvalidRequestError(field, f"more than {max_tokens} tokens (the limit here)")
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if len(ids) > max_tokens:
+            raise InvalidRequestError(field, f"{len(ids)} tokens, more than {max_tokens} (the limit here)")
+        return list(ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))

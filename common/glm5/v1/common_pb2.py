@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/common.proto\x12\x07glm5.v1\"\xc2\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12:\n\nlogit_bias\x18\x0c \x03(\x0b\x32&.glm5.v1.SamplingParams.LogitBiasEntry\x12\x34\n\x11structured_output\x18\r \x01(\x0b\x32\x19.glm5.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x82\x02\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x12 \n\x13think_open_token_id\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12!\n\x14think_close_token_id\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\x0fstarts_thinking\x18\x07 \x01(\x08\x42\x08\n\x06\x66ormatB\x16\n\x14_think_open_token_idB\x17\n\x15_think_close_token_id\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"S\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x03top\x18\x03 \x03(\x0b\x32\x13.glm5.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/common.proto\x12\x07glm5.v1\"\xea\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12:\n\nlogit_bias\x18\x0c \x03(\x0b\x32&.glm5.v1.SamplingParams.LogitBiasEntry\x12\x34\n\x11structured_output\x18\r \x01(\x0b\x32\x19.glm5.v1.StructuredOutput\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\x08\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokens\"\x82\x02\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x12 \n\x13think_open_token_id\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12!\n\x14think_close_token_id\x18\x06 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\x0fstarts_thinking\x18\x07 \x01(\x08\x42\x08\n\x06\x66ormatB\x16\n\x14_think_open_token_idB\x17\n\x15_think_close_token_id\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"S\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x03top\x18\x03 \x03(\x0b\x32\x13.glm5.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1098
-  _globals['_FINISHREASON']._serialized_end=1218
+  _globals['_FINISHREASON']._serialized_start=1138
+  _globals['_FINISHREASON']._serialized_end=1258
   _globals['_SAMPLINGPARAMS']._serialized_start=34
-  _globals['_SAMPLINGPARAMS']._serialized_end=612
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=434
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=482
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=615
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=873
-  _globals['_TOPLOGPROB']._serialized_start=875
-  _globals['_TOPLOGPROB']._serialized_end=922
-  _globals['_TOKENLOGPROB']._serialized_start=924
-  _globals['_TOKENLOGPROB']._serialized_end=1007
-  _globals['_USAGE']._serialized_start=1009
-  _globals['_USAGE']._serialized_end=1096
+  _globals['_SAMPLINGPARAMS']._serialized_end=652
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=459
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=507
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=655
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=913
+  _globals['_TOPLOGPROB']._serialized_start=915
+  _globals['_TOPLOGPROB']._serialized_end=962
+  _globals['_TOKENLOGPROB']._serialized_start=964
+  _globals['_TOKENLOGPROB']._serialized_end=1047
+  _globals['_USAGE']._serialized_start=1049
+  _globals['_USAGE']._serialized_end=1136
 # @@protoc_insertion_point(module_scope)

@@ -29,16 +29,18 @@ THINKING_MODE_LIGHT: ThinkingMode
 THINKING_MODE_DEEP: ThinkingMode
 
 class Envelope(_message.Message):
-    __slots__ = ("key_id", "nonce", "ciphertext", "sequence")
+    __slots__ = ("key_id", "nonce", "ciphertext", "sequence", "issued_at_ms")
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     CIPHERTEXT_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     key_id: str
     nonce: bytes
     ciphertext: bytes
     sequence: int
-    def __init__(self, key_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., ciphertext: _Optional[bytes] = ..., sequence: _Optional[int] = ...) -> None: ...
+    issued_at_ms: int
+    def __init__(self, key_id: _Optional[str] = ..., nonce: _Optional[bytes] = ..., ciphertext: _Optional[bytes] = ..., sequence: _Optional[int] = ..., issued_at_ms: _Optional[int] = ...) -> None: ...
 
 class RouterGenerateRequest(_message.Message):
     __slots__ = ("request", "sealed", "model", "priority", "session_id", "thinking", "chat", "request_id")

@@ -168,6 +168,28 @@ class Sampling(Spec):
     ascend_temperature_floor: float = Field(0.35, ge=0, description="On Ascend, raise lower temperatures to it.")
 
 
+class Security(Spec):
+    tls_secret: str | None = Field(
+        None,
+        description="Secret with tls.crt, tls.key and ca.crt (a cert-manager Certificate's): workers and routers "
+        "then speak mutual TLS to each other, the router serves its gRPC API over TLS, and probes move to a "
+        "plain-text health port. The certificate must name <name>-workers.<namespace>.svc.",
+    )
+    api_key_secret: SecretKeyRef | None = Field(
+        None, description="Secret key holding API keys (one per line): clients must send one as a Bearer token."
+    )
+    https: bool = Field(False, description="Serve the OpenAI API over HTTPS with the tlsSecret's certificate.")
+    require_sealed: bool = Field(False, description="Serve only SM4-sealed gRPC requests (needs sm4KeySecret).")
+    network_policy: bool = Field(
+        True, description="Render NetworkPolicies: workers accept gRPC only from this deployment's routers and the "
+        "RL jobs that use it."
+    )  # fmt: skip
+    router_ingress_from: list[dict[str, Any]] | None = Field(
+        None, description="NetworkPolicy peers allowed to reach the router (default: anyone)."
+    )
+    health_port: int = Field(8081, ge=1, le=65535, description="Plain-text gRPC health port for probes under TLS.")
+
+
 class GLM5DeploymentSpec(Spec):
     model: ModelSource
     sparse_attention: SparseAttention = Field(default_factory=SparseAttention)
@@ -175,3 +197,4 @@ class GLM5DeploymentSpec(Spec):
     workers: Workers = Field(default_factory=Workers)
     router: Router = Field(default_factory=Router)
     sampling: Sampling = Field(default_factory=Sampling)
+    security: Security = Field(default_factory=Security)

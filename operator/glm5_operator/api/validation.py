@@ -66,6 +66,14 @@ def deployment_problems(spec: GLM5DeploymentSpec) -> list[str]:
         out.append("spec.router.redis: give url or urlSecret, not both")
     if spec.model.max_new_tokens >= spec.model.max_model_len:
         out.append("spec.model.maxNewTokens: must be below maxModelLen")
+    sec = spec.security
+    if sec.https and not sec.tls_secret:
+        out.append("spec.security.https: needs tlsSecret (the certificate to serve)")
+    if sec.require_sealed and not spec.router.sm4_key_secret:
+        out.append("spec.security.requireSealed: needs spec.router.sm4KeySecret")
+    if sec.health_port in (spec.workers.port, spec.workers.rendezvous_port, spec.router.grpc_port,
+                           spec.router.http_port):  # fmt: skip
+        out.append(f"spec.security.healthPort: {sec.health_port} is already another port of the deployment")
     return out
 
 

@@ -9,8 +9,8 @@ from glm5_operator.api.deployment import GLM5DeploymentSpec
 from glm5_operator.api.rljob import RLJobSpec
 from glm5_operator.config import OperatorConfig
 from glm5_operator.ranktable import build_rank_table
+from glm5_operator.render import network, router, workers
 from glm5_operator.render import rljob as rl
-from glm5_operator.render import router, workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +41,8 @@ def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, con
         out.append(Child(workers.ranks_service(instance, namespace, spec)))
     out += [Child(m) for m in workers.worker_stateful_sets(instance, namespace, spec, config)]
     out.append(Child(workers.worker_pdb(instance, namespace)))
+    if spec.security.network_policy:
+        out.append(Child(network.worker_network_policy(instance, namespace, spec)))
     return out
 
 
@@ -51,6 +53,7 @@ def deployment_children(name: str, namespace: str, spec: GLM5DeploymentSpec, con
         Child(router.router_config_map(name, namespace, spec)),
         Child(router.router_deployment(name, namespace, spec, config)),
         Child(router.router_service(name, namespace, spec)),
+        *([Child(network.router_network_policy(name, namespace, spec))] if spec.security.network_policy else []),
     ]
 
 
@@ -65,6 +68,8 @@ def rljob_children(
     """Every child of an RLJob; `ref_spec` is the referenced GLM5Deployment's spec when it has a deploymentRef.
     A job that has `succeeded` keeps its children (the checkpoint volume, the settings) at zero replicas."""
     engines, _ = rl.engines_address(name, namespace, spec, ref_spec)
+    # the gateway and trainer call the workers: their NetworkPolicy lets pods labelled as clients in
+    client_of = spec.rollout.deployment_ref or rl.rollout_instance(name)
     settings = rl.rl_settings(name, namespace, spec, engines)
     gateway = rl.gateway_settings(spec, engines)
     out: list[Child] = []
@@ -72,9 +77,9 @@ def rljob_children(
         out += worker_children(rl.rollout_instance(name), namespace, rl.rollout_deployment_spec(spec), config)
     out += [
         Child(rl.rl_config_map(name, namespace, settings, gateway)),
-        Child(rl.gateway_deployment(name, namespace, spec, gateway, config)),
+        Child(rl.gateway_deployment(name, namespace, spec, gateway, config, client_of)),
         Child(rl.gateway_service(name, namespace, spec)),
-        Child(rl.trainer_stateful_set(name, namespace, spec, settings, config)),
+        Child(rl.trainer_stateful_set(name, namespace, spec, settings, config, client_of)),
     ]
     if succeeded:
         for child in out:

@@ -21,7 +21,8 @@ from glm5_operator.render.common import (
     pod_security_context,
     selector,
 )
-from glm5_operator.render.workers import ACCELERATOR_RESOURCE, worker_address
+from glm5_operator.render.network import CLIENT_OF_LABEL
+from glm5_operator.render.workers import ACCELERATOR_RESOURCE, ALL_INTERFACES, worker_address
 
 GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
 TRAINER_FILE = "trainer.json"  # `glm5 trainer --config`
@@ -73,6 +74,7 @@ def gateway_settings(spec: RLJobSpec, engines: str) -> dict[str, Any]:
     g = spec.gateway
     return {
         "engine-dns": engines,
+        "host": ALL_INTERFACES,
         "port": g.port,
         "virtual-node-reserve": g.virtual_node_reserve,
         "load-bound": g.load_bound,
@@ -91,7 +93,7 @@ def rl_config_map(job: str, namespace: str, settings: dict[str, Any], gateway: d
 
 def _pod(
     job: str, component: str, image: str, config: OperatorConfig, args: list[str], settings: dict[str, Any],
-    ports: list[dict[str, Any]], resources: dict[str, Any], probe_port: int | None, config_file: str,
+    ports: list[dict[str, Any]], resources: dict[str, Any], probe_port: int | None, config_file: str, client_of: str,
 ) -> dict[str, Any]:  # fmt: skip
     container: dict[str, Any] = {
         "name": component,
@@ -110,7 +112,10 @@ def _pod(
         container["readinessProbe"] = grpc_probe(probe_port, 5, 3)
         container["livenessProbe"] = grpc_probe(probe_port, 20, 3)
     return {
-        "metadata": {"labels": labels(job, component), "annotations": {CONFIG_HASH_ANNOTATION: config_hash(settings)}},
+        "metadata": {
+            "labels": {**labels(job, component), CLIENT_OF_LABEL: client_of},  # the workers' NetworkPolicy
+            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(settings)},
+        },
         "spec": {
             "automountServiceAccountToken": False,
             "securityContext": pod_security_context(),
@@ -124,13 +129,23 @@ def _pod(
 
 
 def gateway_deployment(
-    job: str, namespace: str, spec: RLJobSpec, settings: dict[str, Any], config: OperatorConfig
+    job: str, namespace: str, spec: RLJobSpec, settings: dict[str, Any], config: OperatorConfig, client_of: str
 ) -> dict[str, Any]:
     g = spec.gateway
     ports = [{"name": "grpc", "containerPort": g.port, "protocol": "TCP"}]
     resources = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
     template = _pod(
-        job, "gateway", config.image, config, ["tito-gateway"], settings, ports, resources, g.port, GATEWAY_FILE
+        job,
+        "gateway",
+        config.image,
+        config,
+        ["tito-gateway"],
+        settings,
+        ports,
+        resources,
+        g.port,
+        GATEWAY_FILE,
+        client_of,
     )
     return {
         "apiVersion": "apps/v1",
@@ -155,15 +170,25 @@ def gateway_service(job: str, namespace: str, spec: RLJobSpec) -> dict[str, Any]
 
 
 def trainer_stateful_set(
-    job: str, namespace: str, spec: RLJobSpec, settings: dict[str, Any], config: OperatorConfig
+    job: str, namespace: str, spec: RLJobSpec, settings: dict[str, Any], config: OperatorConfig, client_of: str
 ) -> dict[str, Any]:
     t = spec.trainer
-    resources: dict[str, Any] = {}
+    resources: dict[str, Any] = {"requests": {"cpu": "1", "memory": "4Gi"}}
     extended = ACCELERATOR_RESOURCE.get(t.accelerator)
     if extended:
-        resources = {"limits": {extended: t.devices}, "requests": {extended: t.devices}}
+        resources = {"limits": {extended: t.devices}, "requests": {**resources["requests"], extended: t.devices}}
     template = _pod(
-        job, "trainer", t.image or config.image, config, ["trainer"], settings, [], resources, None, TRAINER_FILE
+        job,
+        "trainer",
+        t.image or config.image,
+        config,
+        ["trainer"],
+        settings,
+        [],
+        resources,
+        None,
+        TRAINER_FILE,
+        client_of,
     )
     trainer = template["spec"]["containers"][0]
     trainer["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})

@@ -22,13 +22,15 @@ from glm5_operator.render.common import (
     pod_security_context,
     selector,
 )
-from glm5_operator.render.workers import worker_address
+from glm5_operator.render.network import API_KEYS_DIR, API_KEYS_FILE, tls_settings, tls_volume
+from glm5_operator.render.workers import ALL_INTERFACES, worker_address, worker_name
 
 COMPONENT = "router"
 ROUTER_FILE = "router.json"
 ROUTER_DIR = "/etc/glm5/router"
 SM4_DIR = "/etc/glm5/sm4"
-REDIS_URL_ENV = "GLM5_REDIS_URL"
+REDIS_DIR = "/etc/glm5/redis"
+REDIS_FILE = "url"
 
 
 def router_name(instance: str) -> str:
@@ -38,8 +40,11 @@ def router_name(instance: str) -> str:
 def router_settings(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> dict[str, Any]:
     r = spec.router
     cb, q, b = r.circuit_breaker, r.queues, r.batching
+    sec = spec.security
+    tls = tls_settings(spec)
     return {
         "worker-dns": worker_address(instance, namespace, spec.workers.port),
+        "host": ALL_INTERFACES,
         "served-model-name": spec.model.served_name or instance,
         "grpc-port": r.grpc_port,
         "http-port": r.http_port,
@@ -51,7 +56,7 @@ def router_settings(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> 
         "long-pause-kv-usage": q.long_pause_kv_usage,
         "max-queued": q.max_queued,
         "redis-url": r.redis.url if r.redis else None,
-        "redis-url-env": REDIS_URL_ENV if r.redis and r.redis.url_secret else None,
+        "redis-url-file": f"{REDIS_DIR}/{REDIS_FILE}" if r.redis and r.redis.url_secret else None,
         "breaker-kv-fragmentation": cb.kv_fragmentation,
         "breaker-entropy-drift": cb.entropy_drift,
         "breaker-token-jitter-ms": cb.token_jitter_ms,
@@ -59,6 +64,13 @@ def router_settings(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> 
         "breaker-half-open-share": cb.half_open_share,
         "sm4-key-dir": SM4_DIR if r.sm4_key_secret else None,
         "thinking-policy": r.thinking_policy,
+        **tls,
+        # workers are dialled by pod address: their certificate names their Service
+        "tls-server-name": f"{worker_name(instance)}.{namespace}.svc" if tls else None,
+        "http-tls-cert": tls["tls-cert"] if sec.https else None,
+        "http-tls-key": tls["tls-key"] if sec.https else None,
+        "api-key-file": f"{API_KEYS_DIR}/{API_KEYS_FILE}" if sec.api_key_secret else None,
+        "require-sealed": sec.require_sealed or None,
     }
 
 
@@ -87,24 +99,34 @@ def router_deployment(
         volumes.append({"name": "sm4", "secret": {"secretName": r.sm4_key_secret, "defaultMode": 0o400}})
         mounts.append({"name": "sm4", "mountPath": SM4_DIR, "readOnly": True})
     env: list[dict[str, Any]] = []
+    # Secrets as files, not env vars: a process's environment is easier to leak (crash dumps, /proc)
     if r.redis and r.redis.url_secret:
-        ref = r.redis.url_secret
-        env.append({"name": REDIS_URL_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+        _secret_file(volumes, mounts, "redis", r.redis.url_secret.name, r.redis.url_secret.key, REDIS_DIR, REDIS_FILE)
+    if spec.security.api_key_secret:
+        ref = spec.security.api_key_secret
+        _secret_file(volumes, mounts, "api-keys", ref.name, ref.key, API_KEYS_DIR, API_KEYS_FILE)
+    tls_volumes, tls_mounts = tls_volume(spec)
+    volumes += tls_volumes
+    mounts += tls_mounts
+    probe_port = spec.security.health_port if spec.security.tls_secret else r.grpc_port
+    ports = [
+        {"name": "grpc", "containerPort": r.grpc_port, "protocol": "TCP"},
+        {"name": "http", "containerPort": r.http_port, "protocol": "TCP"},
+    ]
+    if spec.security.tls_secret:
+        ports.append({"name": "health", "containerPort": probe_port, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": COMPONENT,
         "image": r.image or config.image,
         "imagePullPolicy": config.image_pull_policy,
         "args": ["router", "--config", f"{ROUTER_DIR}/{ROUTER_FILE}"],
-        "ports": [
-            {"name": "grpc", "containerPort": r.grpc_port, "protocol": "TCP"},
-            {"name": "http", "containerPort": r.http_port, "protocol": "TCP"},
-        ],
+        "ports": ports,
         "env": env,
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
-        "readinessProbe": grpc_probe(r.grpc_port, 5, 3),
-        "livenessProbe": grpc_probe(r.grpc_port, 20, 3),
+        "readinessProbe": grpc_probe(probe_port, 5, 3),
+        "livenessProbe": grpc_probe(probe_port, 20, 3),
     }
     return {
         "apiVersion": "apps/v1",
@@ -128,6 +150,13 @@ def router_deployment(
             },
         },
     }
+
+
+def _secret_file(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]], name: str, secret: str, key: str,
+                 folder: str, file: str) -> None:  # fmt: skip
+    items = [{"key": key, "path": file}]
+    volumes.append({"name": name, "secret": {"secretName": secret, "defaultMode": 0o400, "items": items}})
+    mounts.append({"name": name, "mountPath": folder, "readOnly": True})
 
 
 def router_service(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> dict[str, Any]:

@@ -31,8 +31,10 @@ from glm5_operator.render.common import (
     pod_security_context,
     selector,
 )
+from glm5_operator.render.network import tls_settings, tls_volume
 
 COMPONENT = "worker"
+ALL_INTERFACES = "0.0.0.0"  # outside Kubernetes the servers default to 127.0.0.1
 ENGINE_FILE = "engine.json"
 ENGINE_DIR = "/etc/glm5/engine"
 RANK_TABLE_DIR = "/etc/glm5/ranktable"
@@ -86,6 +88,7 @@ def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any
     return {
         "model": m.path,
         "served-model-name": m.served_name or served_name,
+        "host": ALL_INTERFACES,  # the pod's own network namespace; the NetworkPolicy decides who reaches it
         "port": w.port,
         "device": DEVICE_FLAG[w.accelerator],
         "dtype": m.dtype,
@@ -113,6 +116,7 @@ def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any
         "collective-timeout": w.collective_timeout_seconds if parallel else None,
         "nnodes": nodes if nodes > 1 else None,
         "master-port": w.rendezvous_port if nodes > 1 else None,
+        **tls_settings(spec),
     }
 
 
@@ -136,6 +140,11 @@ def rank_table_config_map(instance: str, namespace: str, tables: dict[int, dict[
 
 def _resources(w: Workers) -> dict[str, Any]:
     res: dict[str, Any] = copy.deepcopy(w.resources) if w.resources else {}
+    # a request so the scheduler places workers on nodes with room; no memory limit by default: what a checkpoint
+    # needs on the host varies by model and format (set workers.resources to cap it)
+    requests = res.setdefault("requests", {})
+    requests.setdefault("cpu", "1")
+    requests.setdefault("memory", "2Gi")
     extended = ACCELERATOR_RESOURCE.get(w.accelerator)
     if extended:
         # Extended resources must have equal requests and limits.
@@ -189,6 +198,9 @@ def _volumes(instance: str, spec: GLM5DeploymentSpec) -> tuple[list[dict[str, An
         volumes.append({"name": "model", "hostPath": {"path": m.host_path, "type": "Directory"}})
     if m.pvc_name or m.host_path:
         mounts.append({"name": "model", "mountPath": m.path, "readOnly": True})
+    tls_volumes, tls_mounts = tls_volume(spec)
+    volumes += tls_volumes
+    mounts += tls_mounts
     if spec.workers.accelerator == "ascend-910b":
         volumes.append({"name": "ranktable", "configMap": {"name": rank_table_name(instance)}})
         mounts.append({"name": "ranktable", "mountPath": RANK_TABLE_DIR, "readOnly": True})
@@ -224,12 +236,16 @@ def worker_stateful_set(
     if node_rank == 0:
         if multi_node:
             container["ports"].append({"name": "rendezvous", "containerPort": w.rendezvous_port, "protocol": "TCP"})
+        # the kubelet's gRPC probes speak plain text: under TLS they ask the health-only port
+        probe_port = spec.security.health_port if spec.security.tls_secret else w.port
+        if spec.security.tls_secret:
+            container["ports"].append({"name": "health", "containerPort": probe_port, "protocol": "TCP"})
         # Loading a 744B checkpoint takes minutes: the startup probe holds liveness off until it is served.
         container["startupProbe"] = grpc_probe(
-            w.port, probe_period, max(1, config.worker_startup_seconds // probe_period)
+            probe_port, probe_period, max(1, config.worker_startup_seconds // probe_period)
         )
-        container["readinessProbe"] = grpc_probe(w.port, 5, 3)
-        container["livenessProbe"] = grpc_probe(w.port, 20, 6)
+        container["readinessProbe"] = grpc_probe(probe_port, 5, 3)
+        container["livenessProbe"] = grpc_probe(probe_port, 20, 6)
     else:
         del container["ports"]
     pod_spec: dict[str, Any] = {

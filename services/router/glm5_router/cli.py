@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
+
+from glm5.errors import ConfigError
+from glm5.security import TlsConfig, add_tls_arguments, read_secrets, tls_from_args
 
 from glm5_router.config import BreakerConfig, RouterConfig
 from glm5_router.server.app import serve_until_signal
@@ -16,9 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d, b = RouterConfig(workers=("x:1",)), BreakerConfig()
     p.add_argument("--worker", action="append", default=[], help="worker host:port (repeatable)")
     p.add_argument("--worker-dns", help="host:port of a headless Service; every A record is a worker")
-    p.add_argument("--host", default=d.host)
+    p.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port)
     p.add_argument("--http-port", type=int, default=d.http_port)
+    p.add_argument("--health-port", type=int, help="also answer gRPC health checks in plain text on this port "
+                   "(Kubernetes' probes cannot speak TLS)")  # fmt: skip
+    p.add_argument("--redis-url-file", help="read the Redis URL from this file (a mounted Secret key)")
     p.add_argument("--served-model-name", help="model name for clients (default: what the workers report)")
     p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--token-budget", type=int, default=d.token_budget, help="flush a batch at this many new tokens")
@@ -47,6 +54,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-open-seconds", type=float, default=b.open_s)
     p.add_argument("--breaker-half-open-share", type=float, default=b.half_open_share)
     p.add_argument("--sm4-key-dir", help="directory of SM4 keys (one file per key id), e.g. a mounted Secret")
+    p.add_argument("--require-sealed", action="store_true",
+                   help="serve only SM4-sealed gRPC requests; the HTTP API refuses generation")  # fmt: skip
+    p.add_argument("--replay-window", type=float, default=d.replay_window_s,
+                   help="seconds a sealed request stays valid; within it each one is served once")  # fmt: skip
+    add_tls_arguments(p)
+    p.add_argument("--tls-require-client-cert", action="store_true",
+                   help="with --tls-ca: callers of the router's gRPC API need client certificates too (the "
+                   "workers' mTLS always does); default: TLS plus API keys")  # fmt: skip
+    lim = p.add_argument_group("what one request may hold (docs/router.md, Limits)")
+    lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="HTTP body size")
+    lim.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                     help="characters of prompt or message text, checked before tokenising")  # fmt: skip
+    lim.add_argument("--max-messages", type=int, default=d.max_messages)
+    lim.add_argument("--max-tools", type=int, default=d.max_tools)
+    g = p.add_argument_group("OpenAI API access (docs/security.md)")
+    g.add_argument("--api-key", action="append", default=[],
+                   help="a key clients must send as 'Authorization: Bearer' (repeatable, for rotation)")  # fmt: skip
+    g.add_argument("--api-key-env", help="environment variable holding API keys (comma-separated)")
+    g.add_argument("--api-key-file", help="file of API keys, one per line (a mounted Secret)")
+    g.add_argument("--http-tls-cert", help="PEM certificate: serve the HTTP API over HTTPS")
+    g.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
     p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
     p.add_argument("--light-thinking-budget", type=int, default=d.light_thinking_budget,
                    help="reasoning tokens before light thinking is made to answer")  # fmt: skip
@@ -57,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
     redis_url = a.redis_url or (os.environ.get(a.redis_url_env) if a.redis_url_env else None)
+    if a.redis_url_file:
+        urls = read_secrets((), None, a.redis_url_file, "--redis-url-file")
+        if not urls:
+            raise ConfigError(f"--redis-url-file {a.redis_url_file} is empty")
+        redis_url = urls[0].value
     breaker = BreakerConfig(
         error_rate=a.breaker_error_rate, window_s=a.breaker_window_seconds, min_calls=a.breaker_min_calls,
         kv_fragmentation=a.breaker_kv_fragmentation, entropy_drift=a.breaker_entropy_drift,
@@ -66,7 +99,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     )  # fmt: skip
     return RouterConfig(
         workers=tuple(a.worker), worker_dns=a.worker_dns, host=a.host, grpc_port=a.grpc_port,
-        http_port=a.http_port, served_model_name=a.served_model_name,
+        http_port=a.http_port, health_port=a.health_port, served_model_name=a.served_model_name,
         default_max_new_tokens=a.default_max_new_tokens, token_budget=a.token_budget, max_wait_ms=a.max_wait_ms,
         flush_when_idle=not a.no_idle_flush,
         short_max_prompt_tokens=a.short_max_prompt_tokens, long_min_prompt_tokens=a.long_min_prompt_tokens,
@@ -76,6 +109,11 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,
         thinking_policy=a.thinking_policy, light_thinking_budget=a.light_thinking_budget,
         stream_interval=a.stream_interval,
+        tls=dataclasses.replace(tls_from_args(a), require_client_cert=a.tls_require_client_cert),
+        http_tls=TlsConfig(a.http_tls_cert, a.http_tls_key),
+        api_keys=read_secrets(a.api_key, a.api_key_env, a.api_key_file, "API keys"),
+        require_sealed=a.require_sealed, replay_window_s=a.replay_window, max_request_bytes=a.max_request_bytes,
+        max_prompt_chars=a.max_prompt_chars, max_messages=a.max_messages, max_tools=a.max_tools,
     )  # fmt: skip
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from glm5.errors import ConfigError
+from glm5.security import LOOPBACK, NO_TLS, Secret, TlsConfig
 
 ThinkingPolicy = Literal["off", "light", "deep", "auto"]
 
@@ -38,9 +39,10 @@ class BreakerConfig:
 class RouterConfig:
     workers: tuple[str, ...] = ()  # static host:port list
     worker_dns: str | None = None  # host:port of a headless Service: one worker per A record
-    host: str = "0.0.0.0"
+    host: str = LOOPBACK
     grpc_port: int = 50050
     http_port: int = 8000
+    health_port: int | None = None  # plain-text gRPC health checks on their own port (probes, when TLS is on)
     served_model_name: str | None = None  # default: what the workers report
     default_max_new_tokens: int = 256
     # batching: flush a worker's batch at this many max_new_tokens, or after max_wait_ms, or when idle
@@ -53,7 +55,7 @@ class RouterConfig:
     long_pause_kv_usage: float = 0.85
     max_queued: int = 10000
     queue_timeout_s: float = 600.0  # default deadline for a queued request
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password
     # routing
     affinity_load_factor: float = 1.25  # no worker above ceil(c * mean load) for affine requests
     max_retries: int = 2  # retries of a request that has not streamed a token yet
@@ -61,6 +63,17 @@ class RouterConfig:
     stats_interval_s: float = 1.0  # worker stats/health poll
     discovery_interval_s: float = 5.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # who may call and how (docs/security.md)
+    tls: TlsConfig = NO_TLS  # gRPC server, and the router's client side to the workers
+    http_tls: TlsConfig = NO_TLS  # HTTPS for the OpenAI API
+    api_keys: tuple[Secret, ...] = ()  # required as Bearer tokens on /v1/* and the gRPC API when set
+    require_sealed: bool = False  # only SM4-sealed requests (gRPC); the HTTP API then refuses generation
+    replay_window_s: float = 300.0  # a sealed request is accepted within this age, and only once
+    # what one request may hold (docs/router.md, "Limits"): each bounds its memory and event-loop time
+    max_request_bytes: int = 8 << 20  # HTTP body
+    max_prompt_chars: int = 2_000_000  # text of a prompt or of all messages, checked before tokenising
+    max_messages: int = 2048
+    max_tools: int = 256
     # payloads and output
     sm4_key_dir: str | None = None
     thinking_policy: ThinkingPolicy = "auto"
@@ -91,5 +104,11 @@ class RouterConfig:
             raise ConfigError(f"--thinking-policy must be off, light, deep or auto, not {self.thinking_policy!r}")
         if self.reasoning_cache_entries < 1 or self.light_thinking_budget < 1:
             raise ConfigError("--reasoning-cache-entries and --light-thinking-budget must be >= 1")
+        if self.require_sealed and not self.sm4_key_dir:
+            raise ConfigError("--require-sealed needs SM4 keys (--sm4-key-dir)")
+        if self.replay_window_s <= 0:
+            raise ConfigError("--replay-window must be > 0 seconds")
+        if min(self.max_request_bytes, self.max_prompt_chars, self.max_messages, self.max_tools) < 1:
+            raise ConfigError("--max-request-bytes, --max-prompt-chars, --max-messages and --max-tools must be >= 1")
         if self.stream_interval < 0:
             raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval}")

@@ -32,6 +32,11 @@ Thinking = Literal["off", "light", "deep"]
 STRUCTURAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
               "</arg_value>"}  # fmt: skip
 AFFINITY_PREFIX_TOKENS = 64
+INLINE_CHARS = 32 << 10  # inputs up to this size are tokenised on the event loop (well under a millisecond)
+# OpenAI's roles -> the chat template's: `developer` is OpenAI's current name for system, `function` the
+# deprecated form of a tool result
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+         "function": "tool"}  # fmt: skip
 _CODE = re.compile(r"```|(^|\n)( {4}|\t)\S")
 
 
@@ -135,6 +140,28 @@ class Frontend:
 
     # -- request -> job -------------------------------------------------------------------------------
 
+    async def build_async(self, inp: GenerateInput) -> tuple[Job, bool, ToolRegistry | None]:
+        """build(), on a thread when the input is large: tokenising it must not hold up other requests (the
+        tokenizer releases the GIL while it works, see Tokenizer.encode_bounded)."""
+        if self.input_chars(inp) > INLINE_CHARS:
+            return await asyncio.to_thread(self.build, inp)
+        return self.build(inp)
+
+    def input_chars(self, inp: GenerateInput) -> int:
+        """Characters of text the request brings (prompt, or messages' contents); over --max-prompt-chars it is
+        refused here, before any tokenising."""
+        if inp.messages is not None:
+            if len(inp.messages) > self.config.max_messages:
+                raise InvalidRequestError("messages", f"at most {self.config.max_messages}, got {len(inp.messages)}")
+            chars = sum(_content_chars(m) for m in inp.messages)
+        else:
+            chars = len(inp.prompt or "") + len(inp.prompt_token_ids or ())
+        if chars > self.config.max_prompt_chars:
+            raise InvalidRequestError(
+                "prompt", f"{chars} characters, more than the limit {self.config.max_prompt_chars}"
+            )
+        return chars
+
     def build(self, inp: GenerateInput) -> tuple[Job, bool, ToolRegistry | None]:
         """The job, whether the output starts inside <think>, and the tool registry of a chat request."""
         ids, text, thinking, registry = self.encode(inp)
@@ -151,10 +178,13 @@ class Frontend:
     def encode(self, inp: GenerateInput) -> tuple[list[int], str, Thinking, ToolRegistry | None]:
         """The prompt's token ids, its text (chat template applied; "" for token ids), the thinking mode and
         the tool registry of a chat request."""
+        self.input_chars(inp)
         tok = self.tokenizer
         registry: ToolRegistry | None = None
         thinking: Thinking = "off"
         if inp.messages is not None:
+            if inp.tools is not None and len(inp.tools) > self.config.max_tools:
+                raise InvalidRequestError("tools", f"at most {self.config.max_tools}, got {len(inp.tools)}")
             try:
                 registry = ToolRegistry.from_openai(inp.tools)
             except ValueError as exc:
@@ -166,7 +196,7 @@ class Frontend:
                 messages, tools=inp.tools or None, enable_thinking=thinking != "off",
                 thinking_budget=self.config.light_thinking_budget if thinking == "light" else None,
             )  # fmt: skip
-            ids = tok.encode(text)
+            ids = tok.encode_bounded(text, self._token_limit())
         elif inp.prompt_token_ids:
             bad = next((t for t in inp.prompt_token_ids if not 0 <= t < tok.vocab_size), None)
             if bad is not None:
@@ -176,12 +206,16 @@ class Frontend:
             ids, text = list(inp.prompt_token_ids), ""
         elif inp.prompt:
             text = inp.prompt
-            ids = tok.encode(text, add_special_tokens=inp.base.add_special_tokens)
+            ids = tok.encode_bounded(text, self._token_limit(), inp.base.add_special_tokens)
         else:
             raise InvalidRequestError("prompt", "give a prompt, prompt_token_ids or messages")
         if not ids:
             raise InvalidRequestError("prompt", "the prompt is empty after tokenisation")
         return ids, text, thinking, registry
+
+    def _token_limit(self) -> int:
+        # the prompt must leave room for one new token
+        return self.max_model_len - 1 if self.max_model_len else self.config.max_prompt_chars
 
     def _job(self, inp: GenerateInput, ids: list[int], thinking: Thinking) -> Job:
         s = inp.base.sampling
@@ -218,11 +252,14 @@ class Frontend:
     def _messages(self, messages: list[dict[str, Any]], session: str | None) -> list[dict[str, Any]]:
         if not messages:
             raise InvalidRequestError("messages", "must not be empty")
+        if len(messages) > self.config.max_messages:
+            raise InvalidRequestError("messages", f"at most {self.config.max_messages}, got {len(messages)}")
         out = []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise InvalidRequestError(f"messages[{i}].role", "must be system, user, assistant or tool")
-            m = dict(m)
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ROLES:
+                raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
+            m = dict(m, role=ROLES[role])
             content = m.get("content")
             if isinstance(content, list):  # OpenAI content parts: this model reads text only
                 for j, part in enumerate(content):
@@ -240,7 +277,10 @@ class Frontend:
             elif content is not None and not isinstance(content, str):
                 raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
             if m["role"] == "assistant":
-                m["tool_calls"] = [_decode_call(i, tc) for tc in m.get("tool_calls") or []]
+                calls = m.get("tool_calls") or []
+                if not isinstance(calls, list):
+                    raise InvalidRequestError(f"messages[{i}].tool_calls", "must be a list of tool calls")
+                m["tool_calls"] = [_decode_call(i, tc) for tc in calls]
                 if not m.get("reasoning_content") and session and m.get("content"):
                     m["reasoning_content"] = self.reasoning.get(session, m["content"]) or ""
             out.append(m)
@@ -265,8 +305,10 @@ class Frontend:
         }  # fmt: skip
         if s.HasField("temperature"):
             attributes["gen_ai.request.temperature"] = s.temperature
-        with t.tracer.start_as_current_span(f"{operation} {self.model_name}", kind=SpanKind.SERVER,
-                                            attributes=attributes) as span:  # fmt: skip
+        # not made the current span: this generator may be closed from another task (a client that left), and
+        # detaching a context there fails ("Failed to detach context"); nothing below reads the current span
+        span = t.tracer.start_span(f"{operation} {self.model_name}", kind=SpanKind.SERVER, attributes=attributes)
+        with span:
             first = last = 0.0
             tokens = 0
             final: worker_pb2.GenerateResponse | None = None
@@ -408,6 +450,15 @@ def per_token(tokenizer: Tokenizer, resp: worker_pb2.GenerateResponse) -> list[w
     if resp.HasField("usage"):
         last.usage.CopyFrom(resp.usage)
     return pieces
+
+
+def _content_chars(m: Any) -> int:
+    content = m.get("content") if isinstance(m, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def _decode_call(i: int, tc: Any) -> dict[str, Any]:

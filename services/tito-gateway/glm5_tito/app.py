@@ -10,6 +10,7 @@ import signal
 import grpc
 from glm5.errors import ConfigError
 from glm5.rl.buffer import InProcessBuffer, RedisBuffer, RolloutBuffer
+from glm5.security import LOOPBACK, add_tls_arguments, tls_from_args
 from glm5.serving import new_server, start_serving
 from glm5.v1 import tito_pb2, tito_pb2_grpc
 
@@ -23,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = GatewayConfig(engines=())
     p.add_argument("--engine", action="append", default=[], help="rollout engine (worker) host:port, repeatable")
     p.add_argument("--engine-dns", help="host:port of a headless Service; every A record is a rollout engine")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default=LOOPBACK, help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=50060)
     p.add_argument("--tokenizer-fingerprint", help="sha256 every engine must report (default: the first engine's)")
     p.add_argument("--virtual-nodes", type=int, default=d.vnodes, help="ring points per rank")
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-bound", type=float, default=d.load_bound, help="no rank above ceil(c * load / ranks)")
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_s)
     p.add_argument("--redis-url", help="rollout buffer as a Redis stream (default: in-process)")
+    add_tls_arguments(p)
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
@@ -44,7 +46,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(engines=tuple(a.engine), engine_dns=a.engine_dns, tokenizer_fingerprint=fp,
                          vnodes=a.virtual_nodes,
                          virtual_node_reserve=a.virtual_node_reserve, load_bound=a.load_bound,
-                         heartbeat_s=a.heartbeat_interval)  # fmt: skip
+                         heartbeat_s=a.heartbeat_interval, tls=tls_from_args(a))  # fmt: skip
 
 
 async def start_gateway(
@@ -57,7 +59,7 @@ async def start_gateway(
     def add(s: grpc.aio.Server) -> None:
         tito_pb2_grpc.add_TitoGatewayServicer_to_server(gateway, s)  # type: ignore[no-untyped-call]
 
-    _, bound = await start_serving(server, SERVICE_NAME, add, host, port)
+    _, bound = await start_serving(server, SERVICE_NAME, add, host, port, config.tls)
     log.info("TITO gateway on %s:%d over %s", host, bound, list(config.engines))
     return server, gateway, bound
 

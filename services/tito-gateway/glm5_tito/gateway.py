@@ -13,6 +13,8 @@ from typing import NoReturn
 import grpc
 from glm5.errors import InvalidRequestError
 from glm5.rl.buffer import RolloutBuffer
+from glm5.security import NO_TLS, TlsConfig
+from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -38,6 +40,7 @@ class GatewayConfig:
     heartbeat_s: float = 1.0
     missed_heartbeats: int = 3  # a rank that misses this many in a row is removed and its rollouts re-homed
     max_rollouts: int = 100000
+    tls: TlsConfig = NO_TLS  # served over TLS, and used to reach the engines
 
 
 @dataclass(eq=False)
@@ -92,7 +95,7 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
                 log.warning("cannot resolve %s: %s", self.config.engine_dns, exc)
                 addresses |= set(self.engines)  # keep what we had; heartbeats decide
         for address in addresses - set(self.engines):
-            channel = grpc.aio.insecure_channel(address)
+            channel = secure_channel(address, self.config.tls)
             self.engines[address] = Engine(address, channel, worker_pb2_grpc.WorkerStub(channel))  # type: ignore[no-untyped-call]
 
     async def _heartbeat_all(self) -> None:

@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 from glm5.errors import ConfigError
+from glm5.security import add_tls_arguments, admin_token_from_args, tls_from_args
 
 from glm5_trainer.loop import MODES, Result, RLConfig, RLRun
 from glm5_trainer.loss import PRESETS, TrustRegion
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=d.job, help="prefix of rollout ids")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--verbose", action="store_true")
+    add_tls_arguments(p)
+    g = p.add_argument_group("weight pushes (docs/security.md)")
+    g.add_argument("--admin-token-file", help="file holding the engines' admin token, sent with UpdateWeights")
+    g.add_argument("--admin-token-env", help="environment variable holding that token")
 
 
 def config_from_args(a: argparse.Namespace) -> RLConfig:
@@ -79,7 +84,8 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             sync_interval_s=a.sync_interval_seconds, ema_decay=a.ema_decay, eval_every=a.eval_every,
             eval_size=a.eval_size, seed=a.seed, split_seed=a.split_seed, redis_url=a.redis_url, job=a.job,
             progress=not a.no_progress,
-            completion_file=Path(a.completion_file) if a.completion_file else None,
+            completion_file=Path(a.completion_file) if a.completion_file else None, tls=tls_from_args(a),
+            admin_token=admin_token_from_args(a),
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

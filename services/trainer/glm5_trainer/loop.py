@@ -31,6 +31,8 @@ import grpc
 from glm5.client import WorkerClient, sampling
 from glm5.rl.buffer import RedisBuffer
 from glm5.rl.samples import oldest_version, select
+from glm5.security import NO_TLS, Secret, TlsConfig
+from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
 from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
@@ -79,6 +81,8 @@ class RLConfig:
     job: str = "rl"
     progress: bool = True
     completion_file: Path | None = None  # written when the job has taken its `steps`
+    tls: TlsConfig = NO_TLS  # to the gateway and the engines (mutual TLS when it has a CA)
+    admin_token: Secret | None = None  # sent with UpdateWeights (the engines' --admin-token-*)
 
     def __post_init__(self) -> None:
         problems = []
@@ -230,7 +234,7 @@ class RLRun:
         problems = self.eval_problems[: self.c.eval_size]
         if not problems:
             return None
-        clients = [WorkerClient(e) for e in await self.live_engines()]
+        clients = [WorkerClient(e, self.c.tls) for e in await self.live_engines()]
         slots = asyncio.Semaphore(32 * len(clients))
 
         async def one(i: int, p: Problem) -> float:
@@ -278,7 +282,7 @@ class RLRun:
 
         async def probe(address: str) -> tuple[str, int | None]:
             try:
-                async with WorkerClient(address) as client:
+                async with WorkerClient(address, self.c.tls) as client:
                     info = await client.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
                 return address, int(info.weight_version)
             except grpc.aio.AioRpcError as exc:
@@ -297,7 +301,10 @@ class RLRun:
         the next one (the samples it makes meanwhile carry its old version and the staleness filter sees it)."""
         version = self.versions.synced
         engines = list(await self.live_engines())
-        results = await asyncio.gather(*(sync_workers([e], version, path) for e in engines), return_exceptions=True)
+        results = await asyncio.gather(
+            *(sync_workers([e], version, path, tls=self.c.tls, admin_token=self.c.admin_token) for e in engines),
+            return_exceptions=True,
+        )
         times = []
         for address, r in zip(engines, results, strict=True):
             if isinstance(r, BaseException):
@@ -329,7 +336,7 @@ class RLRun:
         self.c.out.mkdir(parents=True, exist_ok=True)
         if self.c.redis_url:
             self._buffer = RedisBuffer(self.c.redis_url)
-        async with grpc.aio.insecure_channel(self.c.gateway) as channel:
+        async with secure_channel(self.c.gateway, self.c.tls) as channel:
             self.gateway = tito_pb2_grpc.TitoGatewayStub(channel)  # type: ignore[no-untyped-call]
             await self.adopt_engines()
             before = await self.evaluate()

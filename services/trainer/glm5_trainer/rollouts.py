@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from glm5.client import sampling
+from glm5.security import channel as secure_channel
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc
 
@@ -163,7 +164,7 @@ async def _produce(config: RLConfig, run_id: str, conn: Connection) -> None:
                 driver.advance(driver.steps_done)
 
     asyncio.get_running_loop().add_reader(conn.fileno(), readable)
-    async with grpc.aio.insecure_channel(config.gateway) as channel:
+    async with secure_channel(config.gateway, config.tls) as channel:
         driver.gateway = tito_pb2_grpc.TitoGatewayStub(channel)  # type: ignore[no-untyped-call]
         await channel.channel_ready()
         conn.send(("ready", dict(driver.counters)))

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import torch
 from glm5.model.loader import save_checkpoint
+from glm5.security import NO_TLS, Secret, TlsConfig, admin_metadata
+from glm5.security import channel as secure_channel
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_SYNC_INTERVAL_S = 1800.0
@@ -91,15 +92,16 @@ def steps_recorded(checkpoint: Path) -> int | None:
     return steps if isinstance(steps, int) and steps >= 0 else None
 
 
-async def sync_workers(workers: list[str], version: int, location: Path, timeout: float = 600.0) -> dict[str, float]:
+async def sync_workers(workers: list[str], version: int, location: Path, timeout: float = 600.0,
+                       tls: TlsConfig = NO_TLS, admin_token: Secret | None = None) -> dict[str, float]:  # fmt: skip
     """UpdateWeights on every worker in parallel; returns each worker's wall seconds (raises on a failure)."""
 
     async def one(address: str) -> tuple[str, float]:
         start = time.perf_counter()
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with secure_channel(address, tls) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
             await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)),
-                                     timeout=timeout)  # fmt: skip
+                                     timeout=timeout, metadata=admin_metadata(admin_token))  # fmt: skip
         return address, time.perf_counter() - start
 
     return dict(await asyncio.gather(*(one(w) for w in workers)))

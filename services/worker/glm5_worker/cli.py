@@ -6,25 +6,29 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 import torch
 from glm5.allocator import retain_freed_memory
 from glm5.devices import resolve_device
+from glm5.errors import ConfigError
 from glm5.kernels import KERNEL_CHOICES
 from glm5.model.quant import QUANTIZATION_CHOICES
+from glm5.security import LOOPBACK, add_admin_arguments, add_tls_arguments, admin_policy_from_args, tls_from_args
 from glm5.units import parse_bytes
 
 from glm5_worker.config import EngineConfig
 from glm5_worker.parallel.driver import threads_per_rank
 from glm5_worker.parallel.follower import run_follower_host
-from glm5_worker.server.app import serve_until_signal
+from glm5_worker.server.app import ServerSecurity, serve_until_signal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", help="HuggingFace-format checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--served-model-name", help="name reported to clients (default: the directory name)")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default=LOOPBACK, help="address to listen on (0.0.0.0: every interface; the operator "
+                   "renders it for pods)")  # fmt: skip
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda", "npu"])
     p.add_argument("--kernels", default=d.kernels, choices=KERNEL_CHOICES,
@@ -76,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a collective may take before the replica is declared lost")  # fmt: skip
     t.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s,
                    help="seconds the ranks wait for each other to start and to load their shards")  # fmt: skip
+    add_tls_arguments(p)
+    add_admin_arguments(p)
+    p.add_argument("--health-port", type=int, help="also answer gRPC health checks in plain text on this port "
+                   "(Kubernetes' probes cannot speak TLS)")  # fmt: skip
+    p.add_argument("--weights-root", help="the only directory UpdateWeights may load checkpoints from (default: "
+                   "UpdateWeights is refused)")  # fmt: skip
     p.add_argument("--no-retain-host-memory", action="store_true",
                    help="let glibc give freed host memory back to the kernel (its default; each step then faults "
                    "its pages in again)")  # fmt: skip
@@ -123,9 +133,17 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
     )
 
 
+def security_from_args(a: argparse.Namespace) -> ServerSecurity:
+    root = Path(a.weights_root) if a.weights_root else None
+    if root is not None and not root.is_dir():
+        raise ConfigError(f"--weights-root {root} is not a directory")
+    return ServerSecurity(tls_from_args(a), admin_policy_from_args(a), root, a.health_port)
+
+
 def run(a: argparse.Namespace) -> None:
     """Exits non-zero when the replica is lost (a rank died or hung), so the pod restarts."""
     config = config_from_args(a)
+    security = security_from_args(a)
     rank = "rank0 " if config.tensor_parallel_size > 1 and config.node_rank == 0 else ""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {rank}%(name)s: %(message)s")
     if not a.no_retain_host_memory:
@@ -135,4 +153,4 @@ def run(a: argparse.Namespace) -> None:
         torch.set_num_threads(threads)  # the host's cores are shared by its ranks
     if config.node_rank > 0:
         sys.exit(run_follower_host(config, threads))
-    sys.exit(asyncio.run(serve_until_signal(config, a.host, a.port, a.shutdown_grace)))
+    sys.exit(asyncio.run(serve_until_signal(config, a.host, a.port, a.shutdown_grace, security)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -24,14 +25,15 @@ from glm5_tito.gateway import GatewayConfig
 from glm5_trainer.loop import RLConfig, RLRun
 from safetensors.torch import load_file
 
-from tests.helpers.procs import start_redis, start_worker, stop
+from tests.helpers.procs import ADMIN_ENV, ADMIN_TOKEN, admin_flags, start_redis, start_worker, stop
 
 FLAGS = ("--max-model-len", "256", "--kv-cache-bytes", "32MiB")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack() -> AsyncIterator[dict[str, object]]:
-    procs = [start_worker(SHIPPED_MODEL, *FLAGS), start_worker(SHIPPED_MODEL, *FLAGS)]
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, object]]:
+    flags = (*FLAGS, *admin_flags(tmp_path_factory.getbasetemp()))  # every test's tmp_path is under it
+    procs = [start_worker(SHIPPED_MODEL, *flags), start_worker(SHIPPED_MODEL, *flags)]
     engines = tuple(t for _, t in procs)
     server, gw, port = await start_gateway(GatewayConfig(engines=engines, heartbeat_s=0.5), InProcessBuffer(),
                                            "127.0.0.1", 0)  # fmt: skip
@@ -48,7 +50,7 @@ def _config(stack: dict[str, object], out: Path, **kw: object) -> RLConfig:
     base: dict[str, object] = dict(
         policy=SHIPPED_MODEL, gateway=stack["gateway"], out=out, engines=stack["engines"], steps=3, group_size=4,
         groups_per_step=2, max_inflight_groups=6, temperature=2.0, learning_rate=1e-3, staleness_limit=0,
-        eval_size=16, progress=False,
+        eval_size=16, progress=False, admin_token=ADMIN_TOKEN,
     )  # fmt: skip
     return RLConfig(**{**base, **kw})  # type: ignore[arg-type]
 
@@ -212,11 +214,12 @@ async def test_trainer_process_trains_until_sigterm_then_publishes(stack: dict[s
     engines = [f for e in stack["engines"] for f in ("--engine", e)]  # type: ignore[attr-defined]
     cmd = [sys.executable, "-m", "glm5_cli", "trainer", "--policy", str(SHIPPED_MODEL), "--gateway",
            str(stack["gateway"]), *engines, "--checkpoint-dir", str(tmp_path), "--mode", "sync", "--group-size", "2",
-           "--groups-per-step", "2", "--eval-size", "0", "--no-progress"]  # fmt: skip
+           "--groups-per-step", "2", "--eval-size", "0", "--no-progress", "--admin-token-env", ADMIN_ENV]  # fmt: skip
+    env = {**os.environ, ADMIN_ENV: ADMIN_TOKEN.value}
     bad = await asyncio.to_thread(subprocess.run, [*cmd, "--lr-schedule", "cosine", "--steps", "0"],
-                                  capture_output=True, text=True, timeout=120)  # fmt: skip
+                                  capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert bad.returncode == 2 and "the cosine schedule needs a number of steps" in bad.stderr
-    proc = subprocess.Popen([*cmd, "--steps", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*cmd, "--steps", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for _ in range(600):  # until it has published two steps (the gateway runs in this event loop)
             if len(list((tmp_path / "actor_synced").glob("v*[0-9]"))) >= 3:

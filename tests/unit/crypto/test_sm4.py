@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from glm5.crypto.envelopes import open_message, open_stream_message, seal_message
-from glm5.crypto.sm4 import EnvelopeError, KeyRing, Sealed, StreamOpener
+from glm5.crypto.sm4 import EnvelopeError, KeyRing, ReplayGuard, Sealed, StreamOpener
 from glm5.errors import ConfigError
 from glm5.v1 import worker_pb2
 
@@ -70,11 +70,39 @@ def test_stream_chunks_reject_replay_and_reorder() -> None:
     with pytest.raises(EnvelopeError, match="replayed or lost"):
         opener.open(chunks[2])  # skipped one
     assert opener.open(chunks[1]) == b"chunk 2"
-    forged = Sealed("k1", chunks[2].nonce, chunks[2].ciphertext, sequence=3)
+    issued = chunks[2].issued_at_ms
+    redated = Sealed("k1", chunks[2].nonce, chunks[2].ciphertext, sequence=3, issued_at_ms=issued + 1)
+    with pytest.raises(EnvelopeError, match="authentication failed"):  # the time is authenticated too
+        opener.open(redated)
+    forged = Sealed("k1", chunks[2].nonce, chunks[2].ciphertext, sequence=3, issued_at_ms=issued)
     assert opener.open(forged) == b"chunk 3"
-    moved = Sealed("k1", chunks[2].nonce, chunks[2].ciphertext, sequence=4)  # sequence is authenticated
+    moved = Sealed("k1", chunks[2].nonce, chunks[2].ciphertext, sequence=4, issued_at_ms=issued)  # authenticated
     with pytest.raises(EnvelopeError, match="authentication failed"):
         opener.open(moved)
+
+
+def test_replay_guard_refuses_repeats_stale_and_future_requests() -> None:
+    ring = KeyRing({"k1": KEY})
+    guard = ReplayGuard(window_s=60, max_entries=3)
+    now = 1_000_000_000
+    first = ring.seal(b"x", "req-1", issued_at_ms=now)
+    guard.check(first, "req-1", now_ms=now + 10)
+    with pytest.raises(EnvelopeError, match="already served"):
+        guard.check(first, "req-1", now_ms=now + 20)
+    guard.check(ring.seal(b"x", "req-2", issued_at_ms=now), "req-2", now_ms=now + 20)  # another id is fine
+    with pytest.raises(EnvelopeError, match="older than"):
+        guard.check(ring.seal(b"x", "req-3", issued_at_ms=now - 61_000), "req-3", now_ms=now)
+    with pytest.raises(EnvelopeError, match="future"):
+        guard.check(ring.seal(b"x", "req-4", issued_at_ms=now + 31_000), "req-4", now_ms=now)
+    # past its window an id is forgotten (the envelope itself is then too old to be accepted)
+    guard.check(ring.seal(b"x", "req-1", issued_at_ms=now + 61_000), "req-1", now_ms=now + 61_000)
+    assert ("k1", "req-2") not in guard.seen
+    # memory is bounded: once ids are evicted early, older envelopes count as too old
+    for i in range(5):
+        guard.check(ring.seal(b"x", f"fill-{i}", issued_at_ms=now + 62_000 + i), f"fill-{i}", now_ms=now + 62_010)
+    assert len(guard.seen) == 3
+    with pytest.raises(EnvelopeError, match="older than"):
+        guard.check(ring.seal(b"x", "late", issued_at_ms=now + 62_000), "late", now_ms=now + 62_010)
 
 
 def test_rotation_and_key_directory(tmp_path: Path) -> None:

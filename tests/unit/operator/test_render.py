@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import yaml
 from glm5.errors import ConfigError
 from glm5_cli.main import parse_args
 from glm5_operator.api import parse_deployment, parse_rljob
+from glm5_operator.api.validation import InvalidSpec
 from glm5_operator.config import OperatorConfig
 from glm5_operator.render import deployment_children, rljob_children
 from glm5_operator.render.common import MAX_NAME, child_name
@@ -117,7 +119,8 @@ def test_accelerators_request_their_extended_resource(accelerator: str, resource
                              "resources": {"limits": {"memory": "64Gi"}}}})  # fmt: skip
     sts = next(c.manifest for c in deployment_children("x", "ml", spec, CONFIG) if c.kind == "StatefulSet")
     res = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
-    assert res["limits"] == {"memory": "64Gi", resource: 8} and res["requests"] == {resource: 8}
+    assert res["limits"] == {"memory": "64Gi", resource: 8}
+    assert res["requests"] == {"cpu": "1", "memory": "2Gi", resource: 8}  # default requests kept
     assert spec.workers.resources == {"limits": {"memory": "64Gi"}}  # the spec itself is not mutated
     assert engine_settings(spec, "x")["device"] == {"nvidia": "cuda", "ascend-910b": "npu"}[accelerator]
 
@@ -144,16 +147,21 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
     (cm,) = [c.manifest for c in deployment_children("glm5", "ml", spec, CONFIG) if c.name == "glm5-router-config"]
     path = tmp_path / "router.json"
     path.write_text(cm["data"]["router.json"])
-    import os
-
-    os.environ["GLM5_REDIS_URL"] = "redis://redis.ml.svc:6379/0"
-    try:
-        router = config_from_args(parse_args(["router", "--config", str(path)]))
-    finally:
-        del os.environ["GLM5_REDIS_URL"]
+    (dep,) = [c.manifest for c in deployment_children("glm5", "ml", spec, CONFIG) if c.kind == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    (redis,) = [v for v in pod["volumes"] if v["name"] == "redis"]
+    assert redis["secret"]["secretName"] == "redis" and redis["secret"]["items"] == [{"key": "url", "path": "url"}]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "redis"]
+    assert json.loads(cm["data"]["router.json"])["redis-url-file"] == f"{mount['mountPath']}/url"
+    assert not pod["containers"][0]["env"]  # the URL (and its password) is not in the environment
+    secret_file = tmp_path / "url"  # what the mounted Secret holds
+    secret_file.write_text("redis://:pw@redis.ml.svc:6379/0\n")
+    router = config_from_args(parse_args(["router", "--config", str(path), "--redis-url-file", str(secret_file)]))
     assert router.worker_dns == "glm5-worker.ml.svc:50051" and router.served_model_name == "glm-5"
+    assert router.host == "0.0.0.0"  # rendered: the server default is 127.0.0.1
     assert (router.token_budget, router.max_wait_ms, router.max_queued) == (4096, 2.0, 50)
-    assert router.redis_url == "redis://redis.ml.svc:6379/0"  # from the Secret, through the env var
+    assert router.redis_url == "redis://:pw@redis.ml.svc:6379/0"  # from the Secret, as a file
+    assert "pw" not in repr(router)
     assert router.breaker.kv_fragmentation == 0.7 and router.breaker.sustained_s == 10
     assert router.sm4_key_dir == "/etc/glm5/sm4" and router.thinking_policy == "deep"
     assert router.default_max_new_tokens == 300
@@ -182,3 +190,52 @@ def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match="--policy /m: no config.json"):
         trainer_config(t)
+
+
+def test_security_renders_tls_api_keys_probes_and_network_policies() -> None:
+    doc = yaml.safe_load((CHART / "examples" / "secure.yaml").read_text())
+    children = {(m["kind"], m["metadata"]["name"]): m for m in _children(doc)}
+    engine = json.loads(children["ConfigMap", "secure-engine"]["data"]["engine.json"])
+    router = json.loads(children["ConfigMap", "secure-router-config"]["data"]["router.json"])
+    for flags in (engine, router):
+        assert flags["host"] == "0.0.0.0" and flags["health-port"] == 8081
+        assert (flags["tls-cert"], flags["tls-key"], flags["tls-ca"]) == (
+            "/etc/glm5/tls/tls.crt", "/etc/glm5/tls/tls.key", "/etc/glm5/tls/ca.crt")  # fmt: skip
+    assert router["tls-server-name"] == "secure-worker.ml.svc"  # what the worker certificate must name
+    assert router["http-tls-cert"] == "/etc/glm5/tls/tls.crt" and router["api-key-file"] == "/etc/glm5/api-keys/keys"
+    for kind, name in (("StatefulSet", "secure-worker"), ("Deployment", "secure-router")):
+        pod = children[kind, name]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["readinessProbe"]["grpc"]["port"] == 8081  # kubelet probes cannot speak TLS
+        assert {"name": "tls", "mountPath": "/etc/glm5/tls", "readOnly": True} in container["volumeMounts"]
+        assert {"name": "tls", "secret": {"secretName": "glm5-tls", "defaultMode": 0o400}} in pod["volumes"]
+    workers = children["NetworkPolicy", "secure-workers"]["spec"]
+    assert workers["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    (rule,) = workers["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 50051}]
+    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert {"glm5.ai/client-of": "secure"} in allowed
+    assert any(p.get("app.kubernetes.io/component") == "router" and p["app.kubernetes.io/instance"] == "secure"
+               for p in allowed)  # fmt: skip
+    router_policy = children["NetworkPolicy", "secure-router"]["spec"]
+    assert router_policy["ingress"][0]["from"] == doc["spec"]["security"]["routerIngressFrom"]
+
+
+def test_rljob_pods_are_clients_of_their_workers() -> None:
+    spec = parse_rljob(
+        {"policy": {"path": "/m"}, "rollout": {"deploymentRef": "served"}, "dataset": {"uri": "builtin"}}
+    )
+    ref = parse_deployment({"model": {"path": "/m"}})
+    children = [c.manifest for c in rljob_children("job", "ml", spec, CONFIG, ref)]
+    pods = [m["spec"]["template"]["metadata"]["labels"] for m in children if "template" in m.get("spec", {})]
+    assert pods and all(labels["glm5.ai/client-of"] == "served" for labels in pods)
+
+
+@pytest.mark.parametrize("security,message", [
+    ({"https": True}, "needs tlsSecret"),
+    ({"requireSealed": True}, "sm4KeySecret"),
+    ({"healthPort": 50051}, "already another port"),
+])  # fmt: skip
+def test_security_settings_are_checked(security: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidSpec, match=message):
+        parse_deployment({"model": {"path": "/m"}, "security": security})

@@ -16,191 +16,32 @@ import asyncio
 import dataclasses
 import json
 import logging
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
-from glm5.errors import CapacityError, DeadlineError, InvalidRequestError, UnavailableError
+from glm5.errors import UnavailableError
+from glm5.security import Secret
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2
 
-from glm5_router.frontend import Delta, Frontend, GenerateInput, Thinking
+from glm5_router.frontend import INLINE_CHARS, Delta, Frontend, GenerateInput
+from glm5_router.http import params as fields
+from glm5_router.http.errors import ApiError, auth_middleware, errors_middleware, sealed_only_middleware, to_api_error
 from glm5_router.parsing.reasoning import THINK_CLOSE, THINK_OPEN
 from glm5_router.parsing.tools import TAGS as TOOL_TAGS
 from glm5_router.parsing.tools import ToolCall, ToolCallError, ToolRegistry
-from glm5_router.scheduling.dispatcher import WorkerStatusError
 
 log = logging.getLogger(__name__)
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
-MAX_BODY = 32 << 20
-MAX_CHOICES = 64  # `n`: each choice is a request of its own on the workers
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_BODY = 8 << 20  # a 200K-token prompt is ~1 MB of JSON; the body is held whole while it is parsed
+MAX_CHOICES = 64  # `n` x prompts: each choice is a request of its own on the workers
+# JSON allows these raw inside strings, but line-splitting SSE clients (JavaScript, some Python) break on them
+LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
 T = TypeVar("T")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
-    """Typed errors -> OpenAI-style errors with the HTTP status a client can act on."""
-    if isinstance(exc, ApiError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        if exc.field == "model":
-            return ApiError(404, str(exc), "invalid_request_error", "model", "model_not_found")
-        return ApiError(400, str(exc), "invalid_request_error", exc.field)
-    if isinstance(exc, WorkerStatusError):
-        return ApiError(400, exc.details, "invalid_request_error")
-    if isinstance(exc, CapacityError):
-        return ApiError(429, str(exc), "rate_limit_error", headers={"Retry-After": str(retry_after_s)})
-    if isinstance(exc, DeadlineError):
-        return ApiError(408, str(exc), "timeout_error")
-    if isinstance(exc, UnavailableError):
-        return ApiError(503, str(exc), "service_unavailable", headers={"Retry-After": str(retry_after_s)})
-    log.exception("unexpected error", exc_info=exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status == 413:
-            err = ApiError(413, f"request body larger than {MAX_BODY >> 20} MiB", "invalid_request_error")
-            return web.json_response(err.body(), status=413)
-        raise
-    except Exception as exc:
-        err = to_api_error(exc)
-        return web.json_response(err.body(), status=err.status, headers=err.headers)
-
-
-def _get(body: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ApiError(400, f"{key}: expected {types}, got a boolean", "invalid_request_error", key)
-    if not isinstance(value, types):
-        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        raise ApiError(400, f"{key}: expected {names}, got {type(value).__name__}", "invalid_request_error", key)
-    return value
-
-
-def _sampling(body: dict[str, Any]) -> worker_pb2.GenerateRequest:
-    req = worker_pb2.GenerateRequest()
-    s = req.sampling
-    for key, field in (
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("repetition_penalty", "repetition_penalty"),
-        ("presence_penalty", "presence_penalty"),
-        ("frequency_penalty", "frequency_penalty"),
-    ):
-        value = _get(body, key, (int, float))
-        if value is not None:
-            setattr(s, field, float(value))
-    if (top_k := _get(body, "top_k", int)) is not None:
-        s.top_k = top_k
-    if (seed := _get(body, "seed", int)) is not None:
-        if seed < 0:
-            raise ApiError(400, "seed: must be >= 0", "invalid_request_error", "seed")
-        s.seed = seed
-    max_tokens = _get(body, "max_completion_tokens", int, _get(body, "max_tokens", int))
-    if max_tokens is not None:
-        s.max_new_tokens = max_tokens
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        s.stop.append(stop)
-    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
-        s.stop.extend(stop)
-    elif stop is not None:
-        raise ApiError(400, "stop: expected a string or a list of strings", "invalid_request_error", "stop")
-    bias = _get(body, "logit_bias", dict, {})
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise ApiError(400, f"logit_bias: keys are token ids, got {key!r}", "invalid_request_error",
-                           "logit_bias") from None  # fmt: skip
-        if not 0 <= token < 2**31:
-            raise ApiError(400, f"logit_bias: token id {token} is out of range", "invalid_request_error", "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ApiError(400, f"logit_bias: values are numbers, got {value!r}", "invalid_request_error", "logit_bias")
-        s.logit_bias[token] = float(value)
-    _structured_output(body, req.sampling)
-    return req
-
-
-def _structured_output(body: dict[str, Any], s: common_pb2.SamplingParams) -> None:
-    """OpenAI's `response_format` (json_object, json_schema) and vLLM's `guided_json`, `guided_regex`,
-    `guided_choice`, `guided_grammar` (Lark, llguidance's dialect) -> SamplingParams.structured_output."""
-    given = [k for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if body.get(k) is not None]
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise ApiError(400, "response_format: type must be text, json_object or json_schema",
-                           "invalid_request_error", "response_format")  # fmt: skip
-        if fmt["type"] != "text":
-            given.append("response_format")
-    if len(given) > 1:
-        raise ApiError(400, f"give one output format, got {', '.join(given)}", "invalid_request_error", given[1])
-    if not given:
-        return
-    key, value = given[0], body[given[0]]
-    so = s.structured_output
-    if key == "response_format" and value["type"] == "json_object":
-        so.json_object = True
-    elif key in ("response_format", "guided_json"):
-        schema = (value.get("json_schema") or {}).get("schema") if key == "response_format" else value
-        if isinstance(schema, str):
-            so.json_schema = schema
-        elif isinstance(schema, dict):
-            so.json_schema = json.dumps(schema)
-        else:
-            where = "response_format.json_schema.schema" if key == "response_format" else key
-            raise ApiError(400, f"{where}: a JSON Schema object is required", "invalid_request_error", key)
-    elif key == "guided_choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise ApiError(400, "guided_choice: a non-empty list of strings", "invalid_request_error", key)
-        so.regex = "|".join(f"({re.escape(c)})" for c in value)
-    elif not isinstance(value, str):
-        raise ApiError(400, f"{key}: a string", "invalid_request_error", key)
-    elif key == "guided_regex":
-        so.regex = value
-    else:
-        so.lark_grammar = value
-
-
-def _thinking(body: dict[str, Any]) -> Thinking | None:
-    t = body.get("thinking")
-    if isinstance(t, dict) and t.get("type") in ("enabled", "disabled"):
-        return "deep" if t["type"] == "enabled" else "off"
-    kwargs = body.get("chat_template_kwargs")
-    if isinstance(kwargs, dict) and isinstance(kwargs.get("enable_thinking"), bool):
-        return "deep" if kwargs["enable_thinking"] else "off"
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in ("low", "medium", "high", "none"):
-            raise ApiError(
-                400, "reasoning_effort: low, medium, high or none", "invalid_request_error", "reasoning_effort"
-            )
-        return {"none": "off", "low": "light"}.get(effort, "deep")  # type: ignore[return-value]
-    if t is not None:
-        raise ApiError(400, "thinking: expected {'type': 'enabled' | 'disabled'}", "invalid_request_error", "thinking")
-    return None
 
 
 def _usage(finals: dict[int, worker_pb2.GenerateResponse], n: int) -> dict[str, Any]:
@@ -211,27 +52,6 @@ def _usage(finals: dict[int, worker_pb2.GenerateResponse], n: int) -> dict[str, 
     completion = sum(r.usage.completion_tokens for r in finals.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_prompt_tokens for u in firsts)}}  # fmt: skip
-
-
-def _prompts(prompt: Any) -> list[str | list[int]]:
-    """OpenAI's `prompt`: a string, a list of token ids, or a list of either (a batch)."""
-
-    def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-    if isinstance(prompt, str) or is_ids(prompt):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_ids(p) for p in prompt):
-        return list(prompt)
-    raise ApiError(400, "prompt: a string, a list of token ids, or a non-empty list of either",
-                   "invalid_request_error", "prompt")  # fmt: skip
-
-
-def _choices(body: dict[str, Any]) -> int:
-    n: int = _get(body, "n", int, 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise ApiError(400, f"n: must be in 1..{MAX_CHOICES}, got {n}", "invalid_request_error", "n")
-    return n
 
 
 class _TextChoice:
@@ -302,11 +122,23 @@ def _completion_logprobs(
 
 
 class OpenAIServer:
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, api_keys: Sequence[Secret] = (), sealed_only: bool = False,
+                 limits: fields.Limits | None = None, max_body: int = MAX_BODY) -> None:  # fmt: skip
         self.frontend = frontend
+        self.api_keys, self.sealed_only, self.limits, self.max_body = (
+            tuple(api_keys),
+            sealed_only,
+            limits or fields.Limits(),
+            max_body,
+        )
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[errors_middleware])
+        middlewares = [errors_middleware(self.max_body)]
+        if self.api_keys:
+            middlewares.append(auth_middleware(self.api_keys))
+        if self.sealed_only:
+            middlewares.append(sealed_only_middleware(frozenset({"/health", "/metrics", "/v1/models"})))
+        app = web.Application(client_max_size=self.max_body, middlewares=middlewares)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -337,18 +169,19 @@ class OpenAIServer:
         """vLLM's: `prompt` or chat `messages` (with `tools` and the thinking fields, applied as the chat endpoint
         applies them) -> the token ids a generation request would send to the workers."""
         body = await self._body(request)
-        base = worker_pb2.GenerateRequest(add_special_tokens=_get(body, "add_special_tokens", bool, False))
+        base = worker_pb2.GenerateRequest(add_special_tokens=fields.get(body, "add_special_tokens", bool, False))
         inp = self._input(request, body, base)
         if "messages" in body:
             messages = body["messages"]
             if not isinstance(messages, list):
                 raise ApiError(400, "messages: a list of messages", "invalid_request_error", "messages")
-            inp.messages, inp.tools = messages, _get(body, "tools", list)
+            inp.messages, inp.tools = messages, fields.get(body, "tools", list)
         else:
-            inp.prompt = _get(body, "prompt", str)
+            inp.prompt = fields.get(body, "prompt", str)
             if inp.prompt is None:
                 raise ApiError(400, "prompt: required (or messages)", "invalid_request_error", "prompt")
-        ids = self.frontend.encode(inp)[0]
+        large = self.frontend.input_chars(inp) > INLINE_CHARS
+        ids = (await asyncio.to_thread(self.frontend.encode, inp) if large else self.frontend.encode(inp))[0]
         return web.json_response({"count": len(ids), "max_model_len": self.frontend.max_model_len, "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -383,13 +216,13 @@ class OpenAIServer:
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_request_error")
         self._ready()
-        self.frontend.check_model(_get(body, "model", str))
+        self.frontend.check_model(fields.get(body, "model", str))
         return body
 
     def _input(self, request: web.Request, body: dict[str, Any], base: worker_pb2.GenerateRequest) -> GenerateInput:
-        session = request.headers.get("X-Session-Id") or _get(body, "user", str)
+        session = request.headers.get("X-Session-Id") or fields.get(body, "user", str)
         rid = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex}"
-        return GenerateInput(base=base, request_id=rid, session_id=session, thinking=_thinking(body))
+        return GenerateInput(base=base, request_id=rid, session_id=session, thinking=fields.thinking(body))
 
     def _fan_out(self, inp: GenerateInput, n: int) -> list[GenerateInput]:
         """One input per choice: ids `<id>-<i>`, a seeded request's seed + i (choices differ, reproducibly)."""
@@ -408,15 +241,15 @@ class OpenAIServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        base = _sampling(body)
-        n = _choices(body)
-        logprobs = _get(body, "logprobs", int)
+        base = fields.sampling(body, self.limits)
+        n = fields.choices(body)
+        logprobs = fields.logprobs_count(body, "logprobs")
         if logprobs is not None:
             base.return_logprobs, base.top_logprobs = True, logprobs
-        echo = _get(body, "echo", bool, False)
+        echo = fields.get(body, "echo", bool, False)
         base.return_prompt_logprobs = echo and base.return_logprobs
         inp = self._input(request, body, base)
-        prompts = _prompts(body.get("prompt"))
+        prompts = fields.prompts(body.get("prompt"))
         if len(prompts) * n > MAX_CHOICES:
             raise ApiError(400, f"prompt: {len(prompts)} prompts x n={n} choices is more than {MAX_CHOICES}",
                            "invalid_request_error", "prompt")  # fmt: skip
@@ -428,7 +261,9 @@ class OpenAIServer:
             else:
                 one.prompt_token_ids = prompt
             inputs += self._fan_out(one, n)
-        built = [self.frontend.build(x) for x in inputs]  # choice index = prompt index * n + choice, as OpenAI's
+        built = [
+            await self.frontend.build_async(x) for x in inputs
+        ]  # choice index = prompt index * n + choice, as OpenAI's
         streams = [self.frontend.stream(job, in_reasoning, None, inp.session_id) for job, in_reasoning, _ in built]
         cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.frontend.model_name
         tok = self.frontend.tokenizer
@@ -450,7 +285,7 @@ class OpenAIServer:
             return out
 
         head = {"id": cid, "object": "text_completion", "created": created, "model": model}
-        if _get(body, "stream", bool, False):
+        if fields.get(body, "stream", bool, False):
             streams = await _primed_all(streams)
             sse = await self._start_sse(request)
             finals: dict[int, worker_pb2.GenerateResponse] = {}
@@ -464,6 +299,9 @@ class OpenAIServer:
                         finals[i] = d.response
                 if len(finals) == len(streams) and (body.get("stream_options") or {}).get("include_usage"):
                     await _send(sse, {**head, "choices": [], "usage": _usage(finals, n)})
+            except ConnectionError:  # the client left: its requests are cancelled as the streams close
+                log.info("client %s left request %s", request.remote, inp.request_id)
+                return sse
             except Exception as exc:
                 await _send(sse, to_api_error(exc).body())
             await sse.write(b"data: [DONE]\n\n")
@@ -516,24 +354,24 @@ class OpenAIServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        base = _sampling(body)
-        n = _choices(body)
-        if _get(body, "logprobs", bool, False):
+        base = fields.sampling(body, self.limits)
+        n = fields.choices(body)
+        if fields.get(body, "logprobs", bool, False):
             base.return_logprobs = True
-            base.top_logprobs = _get(body, "top_logprobs", int, 0)
-        elif _get(body, "top_logprobs", int):
+            base.top_logprobs = fields.logprobs_count(body, "top_logprobs") or 0
+        elif fields.logprobs_count(body, "top_logprobs"):
             raise ApiError(400, "top_logprobs: needs logprobs: true", "invalid_request_error", "top_logprobs")
         inp = self._input(request, body, base)
         messages = body.get("messages")
         if not isinstance(messages, list):
             raise ApiError(400, "messages: required, a list of messages", "invalid_request_error", "messages")
         inp.messages = messages
-        tools = _get(body, "tools", list)
+        tools = fields.get(body, "tools", list)
         choice_mode = body.get("tool_choice", "auto")
         inp.tools = tools if choice_mode != "none" else None
         if choice_mode not in ("auto", "none"):
             self._force_tool_call(choice_mode, tools, base)
-        built = [self.frontend.build(x) for x in self._fan_out(inp, n)]
+        built = [await self.frontend.build_async(x) for x in self._fan_out(inp, n)]
         streams = [
             self.frontend.stream(job, in_reasoning, registry, inp.session_id, operation="chat")
             for job, in_reasoning, registry in built
@@ -544,7 +382,7 @@ class OpenAIServer:
         def lp_json(lps: list[common_pb2.TokenLogprob]) -> dict[str, Any] | None:
             return _chat_logprobs(tok, lps) if base.return_logprobs else None
 
-        if _get(body, "stream", bool, False):
+        if fields.get(body, "stream", bool, False):
             head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
             streams = await _primed_all(streams)
             sse = await self._start_sse(request)
@@ -578,6 +416,9 @@ class OpenAIServer:
                         finals[i] = d.response
                 if len(finals) == len(streams) and (body.get("stream_options") or {}).get("include_usage"):
                     await _send(sse, {**head, "choices": [], "usage": _usage(finals, n)})
+            except ConnectionError:  # the client left: its requests are cancelled as the streams close
+                log.info("client %s left request %s", request.remote, inp.request_id)
+                return sse
             except Exception as exc:
                 await _send(sse, to_api_error(exc).body())
             await sse.write(b"data: [DONE]\n\n")
@@ -595,7 +436,7 @@ class OpenAIServer:
                 last = d.response
             assert last is not None
             message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else ""),
-                                       "reasoning_content": "".join(reasoning) or None}  # fmt: skip
+                                       "refusal": None, "reasoning_content": "".join(reasoning) or None}  # fmt: skip
             if calls:
                 message["tool_calls"] = [_tool_call_json(c) for c in calls]
             if errors:
@@ -617,7 +458,10 @@ class OpenAIServer:
 
 
 async def _send(sse: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await sse.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+    text = json.dumps(payload, ensure_ascii=False)
+    if not text.isascii():
+        text = text.translate(LINE_BREAKS)
+    await sse.write(b"data: " + text.encode() + b"\n\n")
 
 
 async def _all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:

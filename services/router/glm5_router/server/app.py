@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import grpc
 from aiohttp import web
 from glm5.crypto.sm4 import KeyRing
-from glm5.errors import ConfigError
-from glm5.serving import new_server, start_serving
+from glm5.errors import BindError, ConfigError
+from glm5.security import ApiKeyInterceptor, redact_url
+from glm5.serving import new_server, start_health_server, start_serving
 from glm5.v1 import router_pb2, router_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from redis.exceptions import RedisError
@@ -43,10 +44,13 @@ class RouterApp:
     grpc_port: int
     http_port: int
     shared: SharedQueue | None = None
+    health_server: grpc.aio.Server | None = None
 
     async def stop(self, grace: float = 10.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         await self.http_runner.cleanup()
         if self.shared is not None:
             await self.shared.close(grace)  # stop claiming; claimed requests finish
@@ -77,25 +81,48 @@ async def start_router(config: RouterConfig) -> RouterApp:
         except (OSError, RedisError) as exc:
             await dispatcher.close()
             await pool.close()
-            raise ConfigError(f"--redis-url: cannot reach {config.redis_url}: {exc}") from exc
+            raise ConfigError(f"--redis-url: cannot reach {redact_url(config.redis_url)}: {exc}") from None
         frontend.submit = shared.submit
 
-    server = new_server()
-    service = RouterService(frontend, keys)
+    server = new_server([ApiKeyInterceptor(config.api_keys)] if config.api_keys else [])
+    health_server: grpc.aio.Server | None = None
+    service = RouterService(frontend, keys, config.require_sealed, config.replay_window_s)
 
     def add(s: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(service, s)  # type: ignore[no-untyped-call]
 
-    health, grpc_port = await start_serving(server, SERVICE_NAME, add, config.host, config.grpc_port)
-
-    runner = web.AppRunner(OpenAIServer(frontend).app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.http_port)
-    await site.start()
+    http = OpenAIServer(frontend, config.api_keys, config.require_sealed, max_body=config.max_request_bytes)
+    # handler_cancellation: a client that disconnects cancels its handler, and with it its requests on the workers
+    # (streaming or not)
+    runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
+    try:
+        health, grpc_port = await start_serving(server, SERVICE_NAME, add, config.host, config.grpc_port, config.tls)
+        if config.health_port is not None:
+            health_server = await start_health_server(health, config.host, config.health_port)
+        await runner.setup()
+        ssl_context = config.http_tls.ssl_context() if config.http_tls.enabled else None
+        site = web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise BindError(f"cannot listen on {config.host}:{config.http_port} (HTTP): {exc.strerror}") from None
+    except BaseException:
+        await server.stop(None)
+        if health_server is not None:
+            await health_server.stop(None)
+        await runner.cleanup()
+        if shared is not None:
+            await shared.close(0)
+        await dispatcher.close()
+        await pool.close()
+        raise
     http_port = runner.addresses[0][1] if runner.addresses else config.http_port
-    log.info("router: gRPC on %s:%d, OpenAI HTTP on http://%s:%d/v1, workers %s", config.host, grpc_port,
-             config.host, http_port, list(pool.workers))  # fmt: skip
-    return RouterApp(config, pool, dispatcher, frontend, server, health, runner, grpc_port, http_port, shared)
+    scheme = "https" if config.http_tls.enabled else "http"
+    log.info("router: gRPC%s on %s:%d, OpenAI HTTP on %s://%s:%d/v1%s, workers %s",
+             " (TLS)" if config.tls.enabled else "", config.host, grpc_port, scheme, config.host, http_port,
+             " (API keys required)" if config.api_keys else "", list(pool.workers))  # fmt: skip
+    return RouterApp(config, pool, dispatcher, frontend, server, health, runner, grpc_port, http_port, shared,
+                     health_server)  # fmt: skip
 
 
 async def serve_until_signal(config: RouterConfig, grace: float = 10.0) -> None:

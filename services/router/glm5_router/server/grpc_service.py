@@ -8,8 +8,8 @@ from typing import NoReturn
 
 import grpc
 from glm5.crypto.envelopes import open_message, seal_message
-from glm5.crypto.sm4 import EnvelopeError, KeyRing
-from glm5.errors import CapacityError, DeadlineError, InvalidRequestError, UnavailableError
+from glm5.crypto.sm4 import EnvelopeError, KeyRing, ReplayGuard
+from glm5.errors import CapacityError, DeadlineError, InvalidRequestError, UnavailableError, bounded
 from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 from glm5_router.frontend import Frontend, GenerateInput, Thinking
@@ -25,9 +25,9 @@ LANES: dict[int, Lane] = {router_pb2.PRIORITY_SHORT: "short", router_pb2.PRIORIT
 async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """Typed errors -> gRPC status codes a client can act on."""
     if isinstance(exc, InvalidRequestError | EnvelopeError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, bounded(str(exc)))
     if isinstance(exc, WorkerStatusError):
-        await context.abort(exc.code, exc.details)
+        await context.abort(exc.code, bounded(exc.details))
     if isinstance(exc, CapacityError):
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
     if isinstance(exc, DeadlineError):
@@ -40,15 +40,20 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, frontend: Frontend, keys: KeyRing | None) -> None:
+    def __init__(self, frontend: Frontend, keys: KeyRing | None, require_sealed: bool = False,
+                 replay_window_s: float = 300.0) -> None:  # fmt: skip
         self.frontend = frontend
         self.keys = keys
+        self.require_sealed = require_sealed
+        self.guard = ReplayGuard(replay_window_s)
 
     async def Generate(
         self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         sealed = request.HasField("sealed")
         try:
+            if self.require_sealed and not sealed:
+                raise InvalidRequestError("sealed", "this router serves only SM4-sealed requests (--require-sealed)")
             base = self._open(request) if sealed else request.request
             self.frontend.check_model(request.model)
             remaining = context.time_remaining()
@@ -62,7 +67,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 if not base.prompt:
                     raise InvalidRequestError("chat", "needs a text prompt")
                 inp.messages, inp.prompt = [{"role": "user", "content": base.prompt}], None
-            job, in_reasoning, _ = self.frontend.build(inp)
+            job, in_reasoning, _ = await self.frontend.build_async(inp)
             sequence = 0
             async for d in self.frontend.stream(job, in_reasoning, None, inp.session_id):
                 out = router_pb2.RouterGenerateResponse(
@@ -85,7 +90,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise InvalidRequestError("request_id", "required with a sealed request (it is the associated data)")
         if request.HasField("request"):
             raise InvalidRequestError("request", "give either request or sealed, not both")
-        return open_message(self.keys, request.sealed, worker_pb2.GenerateRequest, request.request_id)
+        return open_message(self.keys, request.sealed, worker_pb2.GenerateRequest, request.request_id, self.guard)
 
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import worker_pb2, worker_pb2_grpc
@@ -97,7 +98,7 @@ class WorkerPool:
     async def _discover(self) -> None:
         want = await self._addresses()
         for address in want - set(self.workers):
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = secure_channel(address, self.config.tls, CHANNEL_OPTIONS)
             self.workers[address] = Worker(
                 address,
                 channel,

@@ -72,6 +72,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         b.completion_tokens,
         b.cached_prompt_tokens,
         b.weight_version,
+        b.error,
     )
 
 

@@ -89,7 +89,7 @@ class Engine:
         self.model_config = rc.model
         self.tokenizer = Tokenizer(rc.model_dir)
         eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids()))
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(config.seed, self.device, eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.sampler, eos_token_ids, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.sparsity = SparsityController(
@@ -139,6 +139,7 @@ class Engine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: list[int]) -> None:
         self.outputs.eos_token_ids = ids
+        self.sampler.eos_token_ids = ids
 
     @property
     def generated_tokens_total(self) -> int:
@@ -176,7 +177,7 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if prompt and prompt_token_ids:
             raise InvalidRequestError("prompt", "give either prompt or prompt_token_ids, not both")
-        ids = prompt_token_ids if prompt_token_ids else self.tokenizer.encode(prompt or "", add_special_tokens)
+        ids = prompt_token_ids or self.tokenizer.encode_bounded(prompt or "", self.max_model_len, add_special_tokens)
         validate_prompt_ids(ids, self.limits)
         params = validate_params(params, len(ids), self.limits)
         need = self.blocks.blocks_needed(len(ids) + params.max_new_tokens)

@@ -29,6 +29,7 @@ class RequestOutput:
     completion_tokens: int
     cached_prompt_tokens: int
     weight_version: int
+    error: str = ""  # the request failed while it ran (its output format broke): the caller gets this error
 
     @property
     def finished(self) -> bool:
@@ -91,6 +92,8 @@ class OutputProcessor:
             seq.pending_text += seq.detokenizer.add(token)
             if seq.detokenizer.stopped_by is not None:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, seq.detokenizer.stopped_by
+            elif grammar_done and seq.format_error:
+                seq.finish_reason, seq.stop_reason = FinishReason.ABORT, "structured_output_error"
             elif grammar_done:
                 seq.finish_reason, seq.stop_reason = FinishReason.STOP, "structured_output"
             elif len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= self.max_model_len:
@@ -114,7 +117,11 @@ class OutputProcessor:
                 return False
             seq.format_phase = "format"
         if not matcher.consume_token(token):
-            log.warning("%s: structured output stopped: %s", seq.request_id, matcher.get_error())
+            # a format that validated but cannot run (a{1000000}: "too many expressions") fails the request rather
+            # than ending it as if the format were complete
+            error = (matcher.get_error() or "the output format failed").split("\n<state>")[0].strip()
+            seq.format_error = f"the output format cannot be applied: {error}"
+            log.info("%s: %s", seq.request_id, seq.format_error)
             return True
         return matcher.is_stopped()
 
@@ -136,6 +143,7 @@ class OutputProcessor:
             completion_tokens=len(seq.output_ids),
             cached_prompt_tokens=seq.num_cached_prompt_tokens,
             weight_version=weight_version,
+            error=seq.format_error if seq.is_finished else "",
         )
         if pending_prompt:
             seq.prompt_logprobs_sent = True

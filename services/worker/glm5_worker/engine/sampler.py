@@ -15,8 +15,9 @@ from glm5_worker.engine.structured import allowed_tokens
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: list[int] | None = None) -> None:
         self.device = device
+        self.eos_token_ids = list(eos_token_ids or [])  # masked while a sequence is below its min_tokens
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprob]:
@@ -63,7 +64,7 @@ class Sampler:
         return picked.squeeze(1).cpu()
 
     def _penalise(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        if all(_unpenalised(s) for s in seqs):
+        if all(_unpenalised(s) and not _below_min(s) for s in seqs):
             return logits
         logits = logits.clone()
         for i, seq in enumerate(seqs):
@@ -83,6 +84,9 @@ class Sampler:
             if p.logit_bias:
                 ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
                 logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            if _below_min(seq):
+                ending = {*p.stop_token_ids} | (set() if p.ignore_eos else {*self.eos_token_ids})
+                logits[i, sorted(ending)] = float("-inf")
         return logits
 
     @staticmethod
@@ -127,6 +131,10 @@ def _unpenalised(seq: Sequence) -> bool:
     p = seq.params
     no_output_penalty = not seq.output_ids or (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
     return p.repetition_penalty == 1.0 and no_output_penalty and not p.logit_bias
+
+
+def _below_min(seq: Sequence) -> bool:
+    return len(seq.output_ids) < seq.params.min_tokens
 
 
 def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -38,6 +38,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
@@ -74,6 +75,7 @@ class Sequence:
     # structured output: the format's matcher and where the output is relative to a thinking block
     matcher: LLMatcher | None = None
     format_phase: Phase = "start"
+    format_error: str = ""
     # filled each step and drained by the engine into a RequestOutput
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -65,6 +65,10 @@ def validate_params(params: SamplingParams, num_prompt_tokens: int, limits: Limi
             raise InvalidRequestError("sampling.logit_bias", f"token id {token} is outside the vocabulary")
         if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise InvalidRequestError("sampling.logit_bias", f"token {token}: bias must be in [-100, 100], got {bias}")
+    if not 0 <= params.min_tokens <= params.max_new_tokens:
+        raise InvalidRequestError(
+            "sampling.min_tokens", f"must be in 0..max_new_tokens ({params.max_new_tokens}), got {params.min_tokens}"
+        )
     if params.max_new_tokens <= 0:
         raise InvalidRequestError("sampling.max_new_tokens", f"must be > 0, got {params.max_new_tokens}")
     if num_prompt_tokens + params.max_new_tokens > limits.max_model_len:

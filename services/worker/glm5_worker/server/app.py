@@ -8,10 +8,12 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
-from glm5.serving import new_server, start_serving
+from glm5.security import LOOPBACK, NO_ADMIN, NO_TLS, AdminInterceptor, AdminPolicy, TlsConfig
+from glm5.serving import new_server, start_health_server, start_serving
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
@@ -23,6 +25,7 @@ from glm5_worker.server.service import WorkerService
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+ADMIN_METHODS = (f"/{SERVICE_NAME}/UpdateWeights",)  # the RPCs that change what the worker serves
 LOST_LINGER_S = 2.0
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -41,6 +44,17 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return await continuation(handler_call_details)
 
 
+@dataclass(frozen=True, slots=True)
+class ServerSecurity:
+    """Who may reach the worker and how: TLS (mutual with a CA), the admin policy of UpdateWeights, and the only
+    directory UpdateWeights may load from (None: it is refused)."""
+
+    tls: TlsConfig = NO_TLS
+    admin: AdminPolicy = NO_ADMIN
+    weights_root: Path | None = None
+    health_port: int | None = None  # plain-text health checks on their own port (for probes, when TLS is on)
+
+
 @dataclass(slots=True)
 class WorkerServer:
     server: grpc.aio.Server
@@ -48,16 +62,21 @@ class WorkerServer:
     health: HealthServicer
     port: int
     lost: asyncio.Event  # set once the replica failed: the worker must exit non-zero
+    health_server: grpc.aio.Server | None = None
 
     async def stop(self, grace: float) -> None:
         """Reports NOT_SERVING, lets running requests finish within `grace`, then stops."""
         await self.health.enter_graceful_shutdown()
         await self.engine.drain(grace)
         await self.server.stop(1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         self.engine.shutdown()
 
 
-async def start_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 50051) -> WorkerServer:
+async def start_worker(
+    config: EngineConfig, host: str = LOOPBACK, port: int = 50051, security: ServerSecurity = ServerSecurity()
+) -> WorkerServer:
     loop = asyncio.get_running_loop()
     lost = asyncio.Event()
     holder: list[HealthServicer] = []
@@ -66,18 +85,31 @@ async def start_worker(config: EngineConfig, host: str = "0.0.0.0", port: int = 
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_not_serving(holder, lost)))
 
     engine = AsyncEngine(await asyncio.to_thread(Engine, config), on_fatal)
-    server = new_server([RequestIdInterceptor()])
-    service = WorkerService(engine)
+    server = new_server([RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
+    service = WorkerService(engine, security.weights_root)
 
     def add(s: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, s)  # type: ignore[no-untyped-call]
 
-    health, bound = await start_serving(server, SERVICE_NAME, add, host, port)
+    try:
+        health, bound = await start_serving(server, SERVICE_NAME, add, host, port, security.tls)
+    except OSError:
+        engine.shutdown()
+        raise
     holder.append(health)
+    health_server = None
+    if security.health_port is not None:
+        try:
+            health_server = await start_health_server(health, host, security.health_port)
+        except OSError:
+            await server.stop(None)
+            engine.shutdown()
+            raise
     if engine.fatal is not None:  # lost before the health service existed
         await _not_serving(holder, lost)
-    log.info("worker serving %s on %s:%d", engine.engine.served_model_name, host, bound)
-    return WorkerServer(server, engine, health, bound, lost)
+    log.info("worker serving %s on %s:%d%s", engine.engine.served_model_name, host, bound,
+             " over TLS" if security.tls.enabled else "")  # fmt: skip
+    return WorkerServer(server, engine, health, bound, lost, health_server)
 
 
 async def _not_serving(holder: list[HealthServicer], lost: asyncio.Event) -> None:
@@ -88,10 +120,12 @@ async def _not_serving(holder: list[HealthServicer], lost: asyncio.Event) -> Non
     lost.set()
 
 
-async def serve_until_signal(config: EngineConfig, host: str, port: int, grace: float, **_: Any) -> int:
+async def serve_until_signal(
+    config: EngineConfig, host: str, port: int, grace: float, security: ServerSecurity = ServerSecurity(), **_: Any
+) -> int:
     """Serves until SIGINT/SIGTERM (exit code 0) or until the replica is lost (exit code 1: Kubernetes then
     restarts the pod, and with it every rank)."""
-    worker = await start_worker(config, host, port)
+    worker = await start_worker(config, host, port, security)
     print(f"glm5 worker listening on {host}:{worker.port} (model {worker.engine.engine.served_model_name})",
           flush=True)  # fmt: skip
     stop = asyncio.Event()

@@ -7,6 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
@@ -40,6 +41,7 @@ def sampling_from_proto(req: worker_pb2.GenerateRequest, default_max_new_tokens:
         stop=list(s.stop),
         stop_token_ids=list(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
         logprobs=req.return_logprobs or req.top_logprobs > 0,
         top_logprobs=req.top_logprobs,
         prompt_logprobs=req.return_prompt_logprobs,
@@ -92,9 +94,26 @@ def response_from_output(out: RequestOutput) -> worker_pb2.GenerateResponse:
     )
 
 
+def weights_location(location: str, root: Path | None) -> Path:
+    """The checkpoint folder an UpdateWeights may load: under `root` after symlinks are followed (a relative
+    location is taken from the root), never through '..'."""
+    if root is None:
+        raise InvalidRequestError("location", "this worker takes no weight updates: start it with --weights-root")
+    if not location:
+        raise InvalidRequestError("location", "required: a checkpoint folder under the weights root")
+    path = Path(location)
+    if ".." in path.parts:
+        raise InvalidRequestError("location", "'..' is not allowed")
+    real = (root / path).resolve()  # an absolute location replaces the root
+    if not real.is_relative_to(root.resolve()):
+        raise InvalidRequestError("location", f"must be inside the weights root {root} (symlinks are followed)")
+    return real
+
+
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, weights_root: Path | None = None) -> None:
         self.engine = engine
+        self.weights_root = weights_root
         e = engine.engine
         self.default_max_new_tokens = e.config.default_max_new_tokens
         self._weights_lock = asyncio.Lock()
@@ -138,6 +157,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         )
         try:
             async for out in stream:
+                if out.error:
+                    raise RequestFailed(invalid, out.error)
                 yield response_from_output(out)
         except InvalidRequestError as exc:
             raise RequestFailed(invalid, str(exc)) from None
@@ -210,13 +231,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Tokenize(
         self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.TokenizeResponse:
-        ids = self.engine.engine.tokenizer.encode(request.text, request.add_special_tokens)
+        e = self.engine.engine
+        try:
+            # off the event loop: a long text takes a while even when it is refused after its first pieces
+            ids = await asyncio.to_thread(
+                e.tokenizer.encode_bounded, request.text, e.max_model_len, request.add_special_tokens, "text"
+            )
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.TokenizeResponse(token_ids=ids)
 
     async def UpdateWeights(
         self, request: worker_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.UpdateWeightsResponse:
         eng = self.engine.engine
+        try:
+            location = str(weights_location(request.location, self.weights_root))
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         async with self._weights_lock:  # one update at a time; versions stay ordered
             if request.version <= eng.weight_version:
                 served = eng.weight_version
@@ -226,11 +258,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 )
             start = time.perf_counter()
             # the other ranks read their shards meanwhile; all swap, or none does
-            await self.engine.run(functools.partial(eng.start_weight_update, request.location))
+            await self.engine.run(functools.partial(eng.start_weight_update, location))
             new, failure = None, None
             try:
                 new = await asyncio.to_thread(
-                    read_checkpoint, request.location, eng.model_config, eng.dtype, eng.device,
+                    read_checkpoint, location, eng.model_config, eng.dtype, eng.device,
                     eng.tokenizer.fingerprint, eng.tp,
                 )  # fmt: skip
             except (InvalidRequestError, CheckpointError, ConfigError) as exc:
@@ -244,7 +276,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"location: {exc}")
             except ReplicaFailure as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info("weights v%d from %s: read %.2fs, swap %.3fs", request.version, request.location, load_s, swap_s)
+        log.info("weights v%d from %s: read %.2fs, swap %.3fs", request.version, location, load_s, swap_s)
         return worker_pb2.UpdateWeightsResponse(version=request.version, load_seconds=load_s, swap_seconds=swap_s)
 
     async def GetTokenizer(

@@ -1,0 +1,70 @@
+"""NetworkPolicies and the TLS / API-key wiring a deployment's pods share (docs/security.md).
+
+Workers accept gRPC only from their own deployment's routers and from pods labelled as its clients (the TITO
+gateway and trainer of an RLJob that uses the workers); the rendezvous port of a replica spread over several pods
+only from that deployment's workers. Routers accept traffic from `security.routerIngressFrom` (default anyone).
+Probes come from the kubelet on the node, which NetworkPolicies do not filter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from glm5_operator.api.deployment import GLM5DeploymentSpec
+from glm5_operator.render.common import child_name, metadata, selector
+
+CLIENT_OF_LABEL = "glm5.ai/client-of"  # on RLJob pods: the worker instance they call
+TLS_DIR = "/etc/glm5/tls"
+API_KEYS_DIR = "/etc/glm5/api-keys"
+API_KEYS_FILE = "keys"
+
+
+def tls_settings(spec: GLM5DeploymentSpec) -> dict[str, Any]:
+    """`glm5 worker` / `glm5 router` TLS flags from a cert-manager style Secret mounted at TLS_DIR."""
+    if not spec.security.tls_secret:
+        return {}
+    return {"tls-cert": f"{TLS_DIR}/tls.crt", "tls-key": f"{TLS_DIR}/tls.key", "tls-ca": f"{TLS_DIR}/ca.crt",
+            "health-port": spec.security.health_port}  # fmt: skip
+
+
+def tls_volume(spec: GLM5DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if not spec.security.tls_secret:
+        return [], []
+    volume = {"name": "tls", "secret": {"secretName": spec.security.tls_secret, "defaultMode": 0o400}}
+    return [volume], [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
+
+
+def worker_network_policy(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> dict[str, Any]:
+    w = spec.workers
+    callers = [
+        {"podSelector": {"matchLabels": selector(instance, "router")}},
+        {"podSelector": {"matchLabels": {CLIENT_OF_LABEL: instance}}},
+    ]
+    ingress: list[dict[str, Any]] = [{"from": callers, "ports": [{"protocol": "TCP", "port": w.port}]}]
+    if w.pods_per_replica > 1:
+        peers = [{"podSelector": {"matchLabels": selector(instance, "worker")}}]
+        ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": w.rendezvous_port}]})
+    return _policy(child_name(instance, "workers"), namespace, instance, "worker", ingress)
+
+
+def router_network_policy(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> dict[str, Any]:
+    r = spec.router
+    rule: dict[str, Any] = {
+        "ports": [{"protocol": "TCP", "port": r.grpc_port}, {"protocol": "TCP", "port": r.http_port}]
+    }
+    if spec.security.router_ingress_from is not None:
+        rule["from"] = spec.security.router_ingress_from
+    return _policy(child_name(instance, "router"), namespace, instance, "router", [rule])
+
+
+def _policy(name: str, namespace: str, instance: str, component: str, ingress: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(name, namespace, instance, component),
+        "spec": {
+            "podSelector": {"matchLabels": selector(instance, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }

@@ -1,0 +1,183 @@
+"""Authentication and transport security end to end: a worker serving mutual TLS with an admin identity, a router
+that reaches it over mTLS, serves HTTPS and gRPC over TLS and wants API keys, and a sealed-only router that
+refuses plain requests and replayed envelopes. Real processes, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx2
+import openai
+import pytest
+from glm5.client import sampling
+from glm5.crypto.envelopes import seal_message
+from glm5.crypto.sm4 import KeyRing
+from glm5.security import NO_TLS, TlsConfig, channel
+from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.helpers.certs import TestCA
+from tests.helpers.procs import start_router, start_worker, stop
+
+WORKER_FLAGS = ("--max-model-len", "512", "--kv-cache-bytes", "16MiB")
+KEYS = ("key-old", "key-new")  # two at once: rotation
+SM4_KEY = bytes(range(16))
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("pki")
+    ca = TestCA(folder)
+    worker_pair, router_pair, trainer_pair = (
+        ca.issue("worker", server=True),
+        ca.issue("router", server=True),
+        ca.issue("trainer"),
+    )
+    stranger_ca = TestCA(folder / "stranger")
+    stranger = stranger_ca.issue("trainer")  # the admin's name, from a CA the worker does not trust
+    keys_file = folder / "api-keys"
+    keys_file.write_text("\n".join(KEYS) + "\n")
+    root = tmp_path_factory.mktemp("weights")
+    router_tls = TlsConfig(str(router_pair.cert), str(router_pair.key), str(ca.path))
+    worker, target = start_worker(
+        tiny_model, *WORKER_FLAGS, *worker_pair.flags(ca.path), "--admin-identity", "trainer",
+        "--weights-root", str(root), tls=router_tls,
+    )  # fmt: skip
+    router, grpc_target, base = start_router(
+        [target], *router_pair.flags(ca.path), "--tls-server-name", "worker", "--api-key-file", str(keys_file),
+        "--http-tls-cert", str(router_pair.cert), "--http-tls-key", str(router_pair.key),
+        tls=TlsConfig(str(trainer_pair.cert), str(trainer_pair.key), str(ca.path), "router"), https_ca=ca.path,
+    )  # fmt: skip
+    try:
+        pairs = {"worker": worker_pair, "router": router_pair, "trainer": trainer_pair, "stranger": stranger}
+        yield {"ca": ca, "worker": target, "router_grpc": grpc_target, "base": base, "root": root, "pairs": pairs}
+    finally:
+        stop(router)
+        stop(worker)
+
+
+def _tls(s: dict[str, Any], who: str, server_name: str) -> TlsConfig:
+    pair = s["pairs"][who]
+    return TlsConfig(str(pair.cert), str(pair.key), str(s["ca"].path), server_name)
+
+
+async def _health(target: str, tls: TlsConfig) -> int:
+    async with channel(target, tls) as ch:
+        reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        return int(reply.status)
+
+
+def test_worker_serves_mutual_tls_only(secured: dict[str, Any]) -> None:
+    target = secured["worker"]
+    assert asyncio.run(_health(target, _tls(secured, "router", "worker"))) == health_pb2.HealthCheckResponse.SERVING
+    for tls in (NO_TLS,  # plain text to a TLS port: the handshake fails
+                TlsConfig(ca=str(secured["ca"].path), server_name="worker"),  # TLS without a client certificate
+                _tls(secured, "stranger", "worker")):  # fmt: skip  # a certificate from another CA
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(_health(target, tls))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_update_weights_needs_the_admin_identity(secured: dict[str, Any]) -> None:
+    async def update(who: str) -> grpc.aio.AioRpcError:
+        async with channel(secured["worker"], _tls(secured, who, "worker")) as ch:
+            request = worker_pb2.UpdateWeightsRequest(version=5, location=str(secured["root"] / "missing"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await worker_pb2_grpc.WorkerStub(ch).UpdateWeights(request, timeout=30)
+            return err.value
+
+    denied = asyncio.run(update("router"))  # a trusted peer, but not the admin
+    assert denied.code() == grpc.StatusCode.PERMISSION_DENIED and "not an administrator" in (denied.details() or "")
+    allowed = asyncio.run(update("trainer"))  # passes the check; the checkpoint itself does not exist
+    assert allowed.code() == grpc.StatusCode.INVALID_ARGUMENT and "location" in (allowed.details() or "")
+
+
+def test_router_wants_an_api_key_over_https(secured: dict[str, Any]) -> None:
+    http = httpx2.Client(verify=ssl.create_default_context(cafile=str(secured["ca"].path)))
+    for key in KEYS:  # both keys of a rotation work
+        client = openai.OpenAI(base_url=secured["base"], api_key=key, http_client=http, max_retries=0)
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                               messages=[{"role": "user", "content": "1 + 1"}])  # fmt: skip
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    bad = openai.OpenAI(base_url=secured["base"], api_key="key-wrong", http_client=http, max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        bad.models.list()
+    assert err.value.status_code == 401 and "API key" in err.value.message
+    # probes stay open (the readiness probe and Prometheus carry no key)
+    context = ssl.create_default_context(cafile=str(secured["ca"].path))
+    health = secured["base"].removesuffix("/v1") + "/health"
+    with urllib.request.urlopen(health, context=context, timeout=10) as resp:
+        assert resp.status == 200
+    with pytest.raises(openai.APIConnectionError):  # plain HTTP to the HTTPS port
+        openai.OpenAI(base_url=secured["base"].replace("https:", "http:"), api_key=KEYS[0],
+                      max_retries=0).models.list()  # fmt: skip
+
+
+def test_router_grpc_wants_tls_and_an_api_key(secured: dict[str, Any]) -> None:
+    request = router_pb2.RouterGenerateRequest(
+        request=worker_pb2.GenerateRequest(prompt="1 + 1", sampling=sampling(max_new_tokens=3, temperature=0))
+    )
+
+    async def generate(tls: TlsConfig, key: str | None) -> str:
+        meta = (("authorization", f"Bearer {key}"),) if key else ()
+        async with channel(secured["router_grpc"], tls) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            return "".join([r.response.text async for r in stub.Generate(request, timeout=60, metadata=meta)])
+
+    tls = TlsConfig(ca=str(secured["ca"].path), server_name="router")  # the router's clients need no certificate
+    assert isinstance(asyncio.run(generate(tls, KEYS[1])), str)
+    for tls_used, key, code in [(tls, None, grpc.StatusCode.UNAUTHENTICATED),
+                                (tls, "key-wrong", grpc.StatusCode.UNAUTHENTICATED),
+                                (NO_TLS, KEYS[0], grpc.StatusCode.UNAVAILABLE)]:  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(generate(tls_used, key))
+        assert err.value.code() == code
+    # health checks need no key (Kubernetes' gRPC probe sends none)
+    assert asyncio.run(_health(secured["router_grpc"], tls)) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def sealed_only(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("sm4")
+    (folder / "k1").write_text(SM4_KEY.hex())
+    worker, target = start_worker(tiny_model, *WORKER_FLAGS)
+    router, grpc_target, base = start_router([target], "--sm4-key-dir", str(folder), "--require-sealed",
+                                             "--replay-window", "60")  # fmt: skip
+    try:
+        yield {"grpc": grpc_target, "base": base}
+    finally:
+        stop(router)
+        stop(worker)
+
+
+def test_sealed_only_router_refuses_plain_and_replayed_requests(sealed_only: dict[str, Any]) -> None:
+    ring = KeyRing({"k1": SM4_KEY})
+    inner = worker_pb2.GenerateRequest(prompt="1 + 1", sampling=sampling(max_new_tokens=3, temperature=0))
+    envelope = seal_message(ring, inner, "r-once")
+
+    async def send(req: router_pb2.RouterGenerateRequest) -> list[router_pb2.RouterGenerateResponse]:
+        async with grpc.aio.insecure_channel(sealed_only["grpc"]) as ch:
+            return [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=60)]
+
+    first = asyncio.run(send(router_pb2.RouterGenerateRequest(request_id="r-once", sealed=envelope)))
+    assert first and all(r.HasField("sealed") for r in first)
+    for req, message in [
+        (router_pb2.RouterGenerateRequest(request_id="r-once", sealed=envelope), "already served"),  # replay
+        (router_pb2.RouterGenerateRequest(request=inner), "only SM4-sealed"),
+        (router_pb2.RouterGenerateRequest(request_id="r-old",
+                                          sealed=seal_message(ring, inner, "r-old", issued_at_ms=1000)), "older"),
+    ]:  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(send(req))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (err.value.details() or "")
+    client = openai.OpenAI(base_url=sealed_only["base"], api_key="none", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "1 + 1"}])
+    assert "sealed" in denied.value.message
+    assert client.models.list().data  # listing models reveals no payload
