@@ -17,7 +17,11 @@ from glm5.errors import BindError, bounded
 from glm5.security import NO_TLS, TlsConfig, add_port
 from glm5.v1 import worker_pb2
 
-MESSAGE_LIMIT = 64 << 20
+MESSAGE_LIMIT = 64 << 20  # what a server sends (prompt logprobs of a long prompt are large)
+# what a server accepts in one message: a request is a prompt (a 1M-token prompt is ~5 MB of ids); callers batch
+# below REQUEST_BATCH_BYTES, and a larger message is refused before it is read into memory
+RECEIVE_LIMIT = 16 << 20
+REQUEST_BATCH_BYTES = 4 << 20
 log = logging.getLogger(__name__)
 
 
@@ -25,7 +29,7 @@ def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.
     return grpc.aio.server(
         interceptors=list(interceptors),
         options=[
-            ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+            ("grpc.max_receive_message_length", RECEIVE_LIMIT),
             ("grpc.max_send_message_length", MESSAGE_LIMIT),
             # gRPC's default lets a second server bind the same port and take half its connections silently
             ("grpc.so_reuseport", 0),

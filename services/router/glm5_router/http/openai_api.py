@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, TypeVar
 
+import orjson
 from aiohttp import web
 from glm5.errors import UnavailableError
 from glm5.security import Secret
@@ -39,6 +40,7 @@ FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH
           common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
 MAX_BODY = 8 << 20  # a 200K-token prompt is ~1 MB of JSON; the body is held whole while it is parsed
 MAX_CHOICES = 64  # `n` x prompts: each choice is a request of its own on the workers
+SLOW_JSON_BYTES = 1 << 20  # bodies orjson refused are read again with json's parser only up to this size
 # JSON allows these raw inside strings, but line-splitting SSE clients (JavaScript, some Python) break on them
 LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
 T = TypeVar("T")
@@ -209,10 +211,21 @@ class OpenAIServer:
             raise UnavailableError("no worker has answered yet; retry in a moment")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        # the event loop parses the body: refuse a chat far over the message limit before building 100,000 dicts
+        # (a key spelt with escapes is not counted here; the limit after parsing still holds for it)
+        if raw.count(b'"role"') > self.frontend.config.max_messages:
+            raise ApiError(400, f"messages: at most {self.frontend.config.max_messages}", "invalid_request_error",
+                           "messages")  # fmt: skip
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error") from None
+            body = orjson.loads(raw)  # 2-3x faster than json's: parsing holds up every other request meanwhile
+        except orjson.JSONDecodeError as first:
+            if len(raw) > SLOW_JSON_BYTES:
+                raise ApiError(400, f"the body is not valid JSON: {first}", "invalid_request_error") from None
+            try:  # json's own reading for what orjson refuses (integers over 64 bits: a 400 naming the field)
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object", "invalid_request_error")
         self._ready()
@@ -457,11 +470,15 @@ class OpenAIServer:
         return sse
 
 
-async def _send(sse: web.StreamResponse, payload: dict[str, Any]) -> None:
+def sse_event(payload: dict[str, Any]) -> bytes:
     text = json.dumps(payload, ensure_ascii=False)
     if not text.isascii():
         text = text.translate(LINE_BREAKS)
-    await sse.write(b"data: " + text.encode() + b"\n\n")
+    return b"data: " + text.encode() + b"\n\n"
+
+
+async def _send(sse: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await sse.write(sse_event(payload))
 
 
 async def _all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -542,4 +559,4 @@ async def _primed(stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
     return chained()
 
 
-__all__ = ["OpenAIServer", "to_api_error"]
+__all__ = ["OpenAIServer", "sse_event", "to_api_error"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 import jsonschema
 
 from glm5_router.parsing.reasoning import _partial_suffix
+from glm5_router.parsing.shell_policy import SHELLS
+from glm5_router.parsing.shell_policy import violation as shell_violation
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -63,36 +66,49 @@ def signature(name: str, parameters: dict[str, Any]) -> str:
 
 
 class ShellPolicy:
-    """Rejects dangerous shell commands in shell-type tool calls. Patterns are configurable; these defaults
-    cover privilege and ownership changes, destructive deletes of system paths, download-and-execute and
-    writes to /etc."""
+    """Which tool arguments are shell commands, judged by glm5_router.parsing.shell_policy. An argument is one
+    when its schema says so (`"x-shell-command": true`: any tool, any name), or when the tool's name is one of
+    the usual shell-tool names (any case) and the argument one of the usual command names. A string is a
+    command line; an array of strings is an argv (`["bash", "-c", "..."]` judges the script)."""
 
-    DEFAULT_PATTERNS = (
-        r"\bchmod\s+(-\w+\s+)*([ugoa]*\+[rwx]*s|[0-7]?[4-7][0-7]{3}\b)",  # setuid/setgid bits
-        r"\bchown\b",
-        r"\bchgrp\b",
-        r"\brm\s+(-\w*\s+)*-\w*[rR]\w*\s+(-\w+\s+)*/(\s|\*|$|(etc|usr|bin|sbin|boot|lib\w*|var|sys|proc|dev|root|home)\b)",
-        r"\b(curl|wget|fetch)\b[^|;&]*\|\s*(sudo\s+)?(ba|z|da|k|c)?sh\b",
-        r"(>>?|\btee(\s+-a)?)\s*/etc/",
-        r"\bsudo\b",
-        r"\bmkfs(\.\w+)?\b",
-        r"\bdd\b[^;&|]*\bof=/dev/",
-        r":\(\)\s*\{\s*:\|:&\s*\};:",  # fork bomb
-    )
-    SHELL_TOOLS = ("bash", "shell", "sh", "terminal", "run_shell", "run_command", "execute_command", "exec")
+    SHELL_TOOLS = ("bash", "shell", "sh", "zsh", "terminal", "run_shell", "run_command", "execute_command", "exec",
+                   "execute", "run", "shell_exec", "run_terminal_cmd", "execute_bash", "cmd", "command")  # fmt: skip
+    COMMAND_ARGS = ("command", "cmd", "commands", "script", "shell_command", "cmdline", "command_line", "code")
+    MARK = "x-shell-command"
 
-    def __init__(self, patterns: tuple[str, ...] = DEFAULT_PATTERNS, shell_tools: tuple[str, ...] = SHELL_TOOLS):
-        self.patterns = [re.compile(p) for p in patterns]
-        self.shell_tools = set(shell_tools)
+    def __init__(self, shell_tools: tuple[str, ...] = SHELL_TOOLS, command_args: tuple[str, ...] = COMMAND_ARGS,
+                 enabled: bool = True) -> None:  # fmt: skip
+        self.shell_tools = {t.lower() for t in shell_tools}
+        self.command_args = {a.lower() for a in command_args}
+        self.enabled = enabled
 
-    def violation(self, tool: str, arguments: dict[str, Any]) -> str | None:
-        command = arguments.get("command", arguments.get("cmd"))
-        if tool not in self.shell_tools or not isinstance(command, str):
+    def shell_arguments(self, tool: str, parameters: dict[str, Any] | None = None) -> set[str]:
+        props = (parameters or {}).get("properties") or {}
+        marked = {k for k, v in props.items() if isinstance(v, dict) and v.get(self.MARK) is True}
+        if tool.lower() in self.shell_tools:
+            marked |= {k for k in props if k.lower() in self.command_args} or set(self.command_args)
+        return marked
+
+    def violation(self, tool: str, arguments: dict[str, Any], parameters: dict[str, Any] | None = None) -> str | None:
+        if not self.enabled:
             return None
-        for pattern in self.patterns:
-            if pattern.search(command):
-                return f"shell policy forbids this command (matches {pattern.pattern!r})"
+        for key in self.shell_arguments(tool, parameters):
+            value = next((v for k, v in arguments.items() if k.lower() == key.lower()), None)
+            if isinstance(value, list) and all(isinstance(x, str) for x in value):
+                value = _argv_command(value)
+            elif value is not None and not isinstance(value, str):
+                return f"shell policy: {key} must be a command line or a list of strings"
+            problem = shell_violation(value) if value else None
+            if problem:
+                return f"shell policy forbids this command: {problem}"
         return None
+
+
+def _argv_command(argv: list[str]) -> str:
+    """An argv as the command line that runs it; a shell's `-c SCRIPT` is the script itself."""
+    if len(argv) >= 3 and argv[0].rsplit("/", 1)[-1] in SHELLS and argv[1] == "-c":
+        return argv[2]
+    return shlex.join(argv)
 
 
 @dataclass
@@ -182,7 +198,7 @@ class ToolRegistry:
         except jsonschema.ValidationError as exc:
             where = "/".join(str(p) for p in exc.absolute_path) or "arguments"
             return ToolCallError(name, f"{where}: {exc.message}", raw)
-        problem = self.policy.violation(name, args)
+        problem = self.policy.violation(name, args, tool.parameters)
         if problem:
             return ToolCallError(name, problem, raw)
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args)

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, TypeAlias
 
 import grpc
-from glm5.serving import merge_response
+from glm5.serving import REQUEST_BATCH_BYTES, merge_response
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,20 @@ Item: TypeAlias = "worker_pb2.GenerateStreamResponse | grpc.aio.AioRpcError"
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """The error a Generate call with this status raises: callers handle both paths alike."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _batches(requests: list[worker_pb2.GenerateStreamRequest]) -> list[list[worker_pb2.GenerateStreamRequest]]:
+    """Consecutive runs of at most REQUEST_BATCH_BYTES each (a worker refuses messages over its receive limit)."""
+    out: list[list[worker_pb2.GenerateStreamRequest]] = []
+    size = REQUEST_BATCH_BYTES
+    for r in requests:
+        n = r.ByteSize()
+        if size + n > REQUEST_BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(r)
+        size += n
+    return out
 
 
 class WorkerStream:
@@ -178,8 +192,8 @@ class WorkerStream:
                     # a write fails only on a stream that ended, and its reader fails what was open on it with
                     # the stream's status
                     with contextlib.suppress(Exception):
-                        if requests:
-                            await call.write(worker_pb2.GenerateStreamRequests(requests=requests))
+                        for batch in _batches(requests):
+                            await call.write(worker_pb2.GenerateStreamRequests(requests=batch))
                         if len(requests) < len(msgs):
                             await call.done_writing()
         finally:
