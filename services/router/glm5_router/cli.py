@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-pause-kv-usage", type=float, default=d.long_pause_kv_usage)
     p.add_argument("--max-queued", type=int, default=d.max_queued)
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds a request may wait")
+    p.add_argument("--no-worker-timeout", type=float, default=d.no_worker_timeout_s,
+                   help="with no routable worker, seconds a request waits before it fails with 503")  # fmt: skip
     p.add_argument("--redis-url", help="redis:// URL of a shared queue (several router replicas)")
     p.add_argument("--redis-url-env", help="read the Redis URL from this environment variable")
     p.add_argument("--affinity-load-factor", type=float, default=d.affinity_load_factor)
@@ -53,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-sustained-seconds", type=float, default=b.sustained_s)
     p.add_argument("--breaker-open-seconds", type=float, default=b.open_s)
     p.add_argument("--breaker-half-open-share", type=float, default=b.half_open_share)
+    p.add_argument("--breaker-max-ejection-percent", type=float, default=b.max_ejection_percent,
+                   help="at most this share of the workers ejected at once; never the last one")  # fmt: skip
     p.add_argument("--sm4-key-dir", help="directory of SM4 keys (one file per key id), e.g. a mounted Secret")
     p.add_argument("--require-sealed", action="store_true",
                    help="serve only SM4-sealed gRPC requests; the HTTP API refuses generation")  # fmt: skip
@@ -95,7 +99,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         kv_fragmentation=a.breaker_kv_fragmentation, entropy_drift=a.breaker_entropy_drift,
         token_jitter_ms=a.breaker_token_jitter_ms, sustained_s=a.breaker_sustained_seconds,
         open_s=a.breaker_open_seconds, max_open_s=max(300.0, a.breaker_open_seconds),
-        half_open_share=a.breaker_half_open_share,
+        half_open_share=a.breaker_half_open_share, max_ejection_percent=a.breaker_max_ejection_percent,
     )  # fmt: skip
     return RouterConfig(
         workers=tuple(a.worker), worker_dns=a.worker_dns, host=a.host, grpc_port=a.grpc_port,
@@ -104,6 +108,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         flush_when_idle=not a.no_idle_flush,
         short_max_prompt_tokens=a.short_max_prompt_tokens, long_min_prompt_tokens=a.long_min_prompt_tokens,
         long_pause_kv_usage=a.long_pause_kv_usage, max_queued=a.max_queued, queue_timeout_s=a.queue_timeout,
+        no_worker_timeout_s=a.no_worker_timeout,
         redis_url=redis_url, affinity_load_factor=a.affinity_load_factor, max_retries=a.max_retries,
         retry_backoff_ms=a.retry_backoff_ms, stats_interval_s=a.stats_interval,
         discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,

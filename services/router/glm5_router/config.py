@@ -25,12 +25,16 @@ class BreakerConfig:
     max_open_s: float = 300.0  # ... up to this
     half_open_share: float = 0.05  # share of traffic admitted as probes
     half_open_successes: int = 5  # probes that must succeed to close
+    # at most this share of the pool ejected at once (Envoy's max_ejection_percent); never the last worker
+    max_ejection_percent: float = 50.0
 
     def __post_init__(self) -> None:
         if not 0 < self.error_rate <= 1 or not 0 < self.half_open_share <= 1:
             raise ConfigError("breaker error rate and half-open share must be in (0, 1]")
         if self.min_calls < 1 or self.half_open_successes < 1:
             raise ConfigError("breaker min calls and half-open successes must be >= 1")
+        if not 0 <= self.max_ejection_percent <= 100:
+            raise ConfigError("--breaker-max-ejection-percent must be in [0, 100]")
         if min(self.window_s, self.sustained_s, self.open_s) < 0 or self.max_open_s < self.open_s:
             raise ConfigError("breaker periods must be >= 0 and max open >= open")
 
@@ -55,6 +59,7 @@ class RouterConfig:
     long_pause_kv_usage: float = 0.85
     max_queued: int = 10000
     queue_timeout_s: float = 600.0  # default deadline for a queued request
+    no_worker_timeout_s: float = 10.0  # with no routable worker, a request fails (503) after this wait
     redis_url: str | None = field(default=None, repr=False)  # may hold a password
     # routing
     affinity_load_factor: float = 1.25  # no worker above ceil(c * mean load) for affine requests
@@ -96,6 +101,8 @@ class RouterConfig:
             raise ConfigError("--short-max-prompt-tokens must be >= 1 and <= --long-min-prompt-tokens")
         if not 0 < self.long_pause_kv_usage <= 1:
             raise ConfigError("--long-pause-kv-usage must be in (0, 1]")
+        if self.no_worker_timeout_s < 0:
+            raise ConfigError("--no-worker-timeout must be >= 0")
         if self.max_queued < 1 or self.queue_timeout_s <= 0 or self.default_max_new_tokens < 1:
             raise ConfigError("--max-queued, --queue-timeout and --default-max-new-tokens must be positive")
         if self.affinity_load_factor < 1 or self.max_retries < 0 or self.retry_backoff_ms < 0:

@@ -261,30 +261,47 @@ def test_sick_worker_requests_retry_elsewhere_and_its_breaker_opens_then_closes(
         pytest.fail(f"breaker did not close: {_health(stack)}")
 
 
-def test_sustained_signal_opens_the_breaker(tmp_path: Path) -> None:
-    stats = tmp_path / "stats.json"
-    stats.write_text("{}")
-    proc, target = start_scripted_worker(stats)
-    router, _, base = start_router([target], "--breaker-sustained-seconds", "0.5", "--breaker-open-seconds", "60")
-    try:
-        stats.write_text(json.dumps({"kv_fragmentation": 0.9}))
+def test_sustained_signals_eject_a_worker_the_pool_can_spare_and_never_the_last(tmp_path: Path) -> None:
+    files = [tmp_path / "a.json", tmp_path / "b.json"]
+    for f in files:
+        f.write_text("{}")
+    workers = [start_scripted_worker(f) for f in files]
+    router, _, base = start_router([t for _, t in workers], "--breaker-sustained-seconds", "0.5",
+                                   "--breaker-open-seconds", "60")  # fmt: skip
+
+    def states() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        try:
+            with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=5) as r:
+                health = json.load(r)
+        except urllib.error.HTTPError as exc:
+            health = json.load(exc)
+        return health, {w["address"]: w for w in health["workers"]}
+
+    def wait_for(check: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         deadline = time.monotonic() + 10
-        health: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=5) as r:
-                    health = json.load(r)
-            except urllib.error.HTTPError as exc:
-                health = json.load(exc)
-            if health["workers"][0]["breaker"] == "open":
-                break
+            health, by_address = states()
+            if check(by_address):
+                return health, by_address
             time.sleep(0.1)
-        assert health["workers"][0]["breaker"] == "open", health
-        assert "kv_fragmentation" in health["workers"][0]["reason"]
-        assert health["status"] == "unavailable"
+        pytest.fail(f"not reached: {states()[0]}")
+
+    a, b = (t for _, t in workers)
+    try:
+        files[0].write_text(json.dumps({"kv_fragmentation": 0.9}))
+        health, ws = wait_for(lambda ws: ws[a]["breaker"] == "open")  # b takes the traffic
+        assert "kv_fragmentation" in ws[a]["reason"] and health["status"] == "ok"
+        files[1].write_text(json.dumps({"attention_entropy_drift": 0.9}))
+        time.sleep(2.0)  # well past the sustained time: b is degraded, but it is the last routable worker
+        health, ws = states()
+        assert ws[b]["breaker"] == "closed" and "kept in rotation" in ws[b]["reason"], ws
+        assert health["status"] == "ok"
+        c = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
+        assert c.completions.create(model="glm5-scripted", prompt="q", max_tokens=2).choices[0].text
     finally:
         stop(router)
-        stop(proc)
+        for p, _ in workers:
+            stop(p)
 
 
 def test_unhealthy_worker_leaves_rotation_full_queue_429_deadline_408_and_it_comes_back(tmp_path: Path) -> None:
@@ -313,6 +330,13 @@ def test_unhealthy_worker_leaves_rotation_full_queue_429_deadline_408_and_it_com
         time.sleep(1.0)
         status, body, _ = _post(base + "/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 408 and "deadline" in body["error"]["message"]
+        stop(router)  # no worker at all: a request fails fast with 503, not at its deadline
+        router, _, base = start_router([target], "--queue-timeout", "600", "--no-worker-timeout", "1")
+        time.sleep(1.0)
+        start = time.monotonic()
+        status, body, headers = _post(base + "/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and "no worker" in body["error"]["message"] and headers.get("Retry-After")
+        assert time.monotonic() - start < 5
     finally:
         stop(router)
         stop(proc)

@@ -196,3 +196,53 @@ def test_router_config_names_the_bad_flag() -> None:
     with pytest.raises(ConfigError, match="--stream-interval"):
         RouterConfig(workers=("w:1",), stream_interval=-1)
     assert RouterConfig(workers=("w:1",), stream_interval=8).stream_interval == 8
+
+
+def test_soft_signals_lower_the_weight_and_the_pool_keeps_its_last_worker() -> None:
+    clock = Clock()
+    spare = [False]
+    b = CircuitBreaker(BreakerConfig(sustained_s=30), clock=clock, may_eject=lambda: spare[0])
+    drifting = worker_pb2.WorkerStats(attention_entropy_drift=0.5)
+    b.observe(drifting)
+    assert b.state is State.CLOSED and b.weight == 0.5  # degraded at once, not ejected
+    b.observe(worker_pb2.WorkerStats(attention_entropy_drift=0.5, kv_fragmentation=0.9))
+    assert b.weight == 0.25
+    clock.t += 31
+    b.observe(drifting)  # sustained, but the pool cannot spare it
+    assert b.state is State.CLOSED and b.ejections_withheld == 1 and "kept in rotation" in b.reason
+    for _ in range(20):  # nor for errors
+        b.record(False)
+    assert b.state is State.CLOSED and b.ejections_withheld == 3  # one per min_calls (10) failures
+    spare[0] = True
+    for _ in range(10):
+        b.record(False)
+    assert b.state is State.OPEN  # another worker can take the traffic now
+    b.observe(worker_pb2.WorkerStats())
+    assert b.weight == 1.0  # recovered signals restore the weight
+
+
+def test_the_pool_ejects_at_most_its_share_and_never_the_last_worker() -> None:
+    pool = WorkerPool(RouterConfig(workers=("x:1",), breaker=BreakerConfig(max_ejection_percent=50)))
+    for w in _workers(4):
+        w.healthy = True
+        pool.workers[w.address] = w
+    addresses = list(pool.workers)
+    assert pool.may_eject(addresses[0])
+    pool.workers[addresses[0]].breaker.state = State.OPEN
+    assert pool.may_eject(addresses[1])  # 2 of 4 out: 50%
+    pool.workers[addresses[1]].breaker.state = State.OPEN
+    assert not pool.may_eject(addresses[2])  # a third would exceed the share
+    single = WorkerPool(RouterConfig(workers=("x:1",), breaker=BreakerConfig(max_ejection_percent=100)))
+    (only,) = _workers(1)
+    only.healthy = True
+    single.workers[only.address] = only
+    assert not single.may_eject(only.address)  # even at 100%: never the last worker
+
+
+def test_a_degraded_worker_gets_less_traffic() -> None:
+    ws = _workers(2)
+    ws[0].breaker.degraded["attention_entropy_drift"] = 0.5
+    picked = Counter(Picker(1.25).pick(ws, None).address for _ in range(10))  # type: ignore[union-attr]
+    assert picked[ws[1].address] == 10  # equal loads: the healthy one wins every tie
+    ws[1].outstanding_tokens = 100
+    assert Picker(1.25).pick(ws, None) is ws[0]  # but a degraded idle worker beats a busy healthy one

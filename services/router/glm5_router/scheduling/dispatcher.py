@@ -29,6 +29,8 @@ from glm5_router.workers.picker import Picker
 from glm5_router.workers.pool import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
+NO_WORKER_POLL_S = 0.25  # how often a job checks for a worker while none is routable
+POOL_CHECK_S = 1.0  # ... and while some are (busy)
 # Worker answers that are the client's fault: passed through, not a worker failure, not retried.
 CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
 
@@ -99,23 +101,35 @@ class Dispatcher:
             self._cancel(job)
 
     async def _assignment(self, job: Job) -> Worker:
+        """The worker the dispatcher gives `job`. Busy workers are waited for until the job's deadline; with no
+        routable worker at all (down, restarting, ejected) the job waits --no-worker-timeout, then fails
+        UNAVAILABLE (503) instead of sitting in the queue until its deadline."""
         assert job.assigned is not None
-        remaining = job.deadline - time.monotonic()
-        try:
-            if job.assigned.done():  # dispatched inline: no timer, no trip through the event loop
-                worker = job.assigned.result()
+        no_worker_since: float | None = None
+        while not job.assigned.done():
+            now = time.monotonic()
+            if self.pool.routable():
+                no_worker_since = None
             else:
-                worker = await asyncio.wait_for(asyncio.shield(job.assigned), max(remaining, 0))
-            if job.attempts == 0:
-                self.telemetry.queue_wait.observe(time.monotonic() - job.arrival)
-            return worker
-        except TimeoutError:
-            if job.assigned.done():
-                return job.assigned.result()
-            raise DeadlineError(
-                f"the request waited {time.monotonic() - job.arrival:.1f}s without being served (deadline); "
-                f"the workers are busy or unavailable"
-            ) from None
+                no_worker_since = now if no_worker_since is None else no_worker_since
+                if now - no_worker_since >= self.config.no_worker_timeout_s:
+                    raise UnavailableError(
+                        f"no worker is available (down, restarting or ejected) after "
+                        f"{self.config.no_worker_timeout_s:g}s; retry later"
+                    )
+            if now >= job.deadline:
+                raise DeadlineError(
+                    f"the request waited {now - job.arrival:.1f}s without being served (deadline); "
+                    f"the workers are busy or unavailable"
+                )
+            # wake at the deadline, and often enough to notice the pool emptying (a worker that died)
+            wait = min(job.deadline - now, NO_WORKER_POLL_S if no_worker_since is not None else POOL_CHECK_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(job.assigned), max(wait, 0.0))
+        worker = job.assigned.result()
+        if job.attempts == 0:
+            self.telemetry.queue_wait.observe(time.monotonic() - job.arrival)
+        return worker
 
     async def _stream(self, worker: Worker, job: Job) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         job.attempts += 1

@@ -1,9 +1,12 @@
-"""A circuit breaker per worker: closed -> open -> half-open -> closed.
+"""A circuit breaker per worker: closed -> open -> half-open -> closed, as Envoy's outlier detection does it.
 
-Opens on an error rate over a sliding window (with a minimum number of calls), or when a worker signal
-(KV fragmentation, attention-entropy drift, per-token latency jitter) stays over its threshold for a
-sustained time. After the open period it goes half-open and admits a capped share of traffic as probes;
-enough successes close it, a failure reopens it with a doubled open period (up to a maximum).
+Opens (ejects the worker) on an error rate over a sliding window (with a minimum number of calls). The soft
+signals (KV fragmentation, attention-entropy drift, per-token latency jitter) lower the worker's weight in
+picking while one is over its threshold; one that stays over for a sustained time may eject it too. Either
+ejection happens only when the pool allows it (`may_eject`: Envoy's max_ejection_percent; never the last
+worker): a pool with no routable worker serves nobody, so a struggling worker is better than none. After the
+open period it goes half-open and admits a capped share of traffic as probes; enough successes close it, a
+failure reopens it with a doubled open period (up to a maximum).
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ class CircuitBreaker:
         config: BreakerConfig,
         clock: Callable[[], float] = time.monotonic,
         on_transition: Callable[[State, str], None] | None = None,
+        may_eject: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
         self.clock = clock
         self.on_transition = on_transition
+        self.may_eject = may_eject  # the pool's say: enough other workers would stay routable
+        self.degraded: dict[str, float] = {}  # soft signals over their threshold now -> value
+        self.ejections_withheld = 0
         self.state = State.CLOSED
         self.reason = ""
         self.transitions = 0
@@ -92,7 +99,7 @@ class CircuitBreaker:
         if self.state is State.CLOSED and len(self._calls) >= self.config.min_calls:
             failed = self._failures
             if failed / len(self._calls) >= self.config.error_rate:
-                self._open(now, f"{failed}/{len(self._calls)} calls failed in {self.config.window_s:g}s")
+                self._eject(now, f"{failed}/{len(self._calls)} calls failed in {self.config.window_s:g}s")
 
     def forget(self) -> None:
         """An admitted request ended without an outcome (cancelled by its client)."""
@@ -100,7 +107,8 @@ class CircuitBreaker:
             self._probes_in_flight = max(0, self._probes_in_flight - 1)
 
     def observe(self, stats: worker_pb2.WorkerStats) -> None:
-        """A worker stats sample: a signal over its threshold for `sustained_s` opens the breaker."""
+        """A worker stats sample: a signal over its threshold lowers the worker's weight at once, and after
+        `sustained_s` ejects it if the pool can spare it."""
         now = self.clock()
         limits = {
             "kv_fragmentation": self.config.kv_fragmentation,
@@ -111,16 +119,34 @@ class CircuitBreaker:
             value = float(getattr(stats, name))
             if value <= limit:
                 self._over_since.pop(name, None)
+                self.degraded.pop(name, None)
                 continue
+            self.degraded[name] = value
             since = self._over_since.setdefault(name, now)
             if self.state is State.CLOSED and now - since >= self.config.sustained_s:
-                self._open(now, f"{name} {value:.3g} > {limit:g} for {now - since:.0f}s")
+                self._eject(now, f"{name} {value:.3g} > {limit:g} for {now - since:.0f}s")
+
+    @property
+    def weight(self) -> float:
+        """Share of the traffic a healthy worker would get that this one should: halved per soft signal over its
+        threshold (the picker divides a worker's load by it)."""
+        return 0.5 ** len(self.degraded)
 
     # -- internals ------------------------------------------------------------------------------------
 
     def _trim(self, now: float) -> None:
         while self._calls and now - self._calls[0][0] > self.config.window_s:
             self._failures -= not self._calls.popleft()[1]
+
+    def _eject(self, now: float, reason: str) -> None:
+        if not self.may_eject():
+            self.reason = f"kept in rotation (the pool cannot spare it): {reason}"  # shown on /health
+            self.ejections_withheld += 1
+            self._calls.clear()
+            self._failures = 0
+            self._over_since.clear()
+            return
+        self._open(now, reason)
 
     def _open(self, now: float, reason: str) -> None:
         self._open_until = now + self._open_s

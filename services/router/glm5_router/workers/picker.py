@@ -1,7 +1,7 @@
-"""Which worker gets a request: least outstanding tokens by default (ties go round-robin, so an idle pool
-spreads sequential requests); with an affinity key (session id, or a hash of the prompt's first block)
-rendezvous hashing keeps a key on one worker, with bounded load: no worker above
-ceil(c * (in-flight + 1) / workers), so a hot session cannot pile onto one worker."""
+"""Which worker gets a request: least outstanding tokens by default, weighted by the breaker's soft signals
+(ties go round-robin, so an idle pool spreads sequential requests); with an affinity key (session id, or a
+hash of the prompt's first block) rendezvous hashing keeps a key on one worker, with bounded load: no worker
+above ceil(c * (in-flight + 1) / workers), so a hot session cannot pile onto one worker."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ class Picker:
             turn = next(self._turn)
             ring = sorted(workers, key=lambda w: w.address)
             rotated = ring[turn % len(ring) :] + ring[: turn % len(ring)]
-            order = sorted(rotated, key=lambda w: (w.outstanding_tokens, w.in_flight))  # stable: ties rotate
+            # a degraded worker (soft signals over threshold) looks as loaded as its weight says
+            order = sorted(rotated, key=lambda w: ((w.outstanding_tokens + 1) / w.breaker.weight,
+                                                   w.in_flight / w.breaker.weight))  # fmt: skip  # ties rotate
         for w in order:
             if w.breaker.allow():
                 return w

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +17,7 @@ from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import worker_pb2, worker_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from glm5_router.config import RouterConfig
 from glm5_router.workers.breaker import CircuitBreaker, State
@@ -75,6 +78,14 @@ class WorkerPool:
     def routable(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.routable]
 
+    def may_eject(self, address: str) -> bool:
+        """Whether `address` may be taken out of rotation: at least max(1, (1 - max ejection share) x pool) other
+        workers stay healthy and closed (Envoy's max_ejection_percent, but never emptying the pool)."""
+        pool = [w for w in self.workers.values() if not w.excluded]
+        others = [w for w in pool if w.address != address and w.healthy and w.breaker.state is State.CLOSED]
+        keep = max(1, math.ceil((1 - self.config.breaker.max_ejection_percent / 100) * len(pool)))
+        return len(others) >= keep
+
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
@@ -103,7 +114,11 @@ class WorkerPool:
                 address,
                 channel,
                 worker_pb2_grpc.WorkerStub(channel),  # type: ignore[no-untyped-call]
-                CircuitBreaker(self.config.breaker, on_transition=self._breaker_hook(address)),
+                CircuitBreaker(
+                    self.config.breaker,
+                    on_transition=self._breaker_hook(address),
+                    may_eject=functools.partial(self.may_eject, address),
+                ),
             )
             log.info("worker %s added", address)
         for address in set(self.workers) - want:
@@ -146,6 +161,8 @@ class WorkerPool:
                 worker.info = await worker.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=timeout)
                 await self._adopt_tokenizer(worker, timeout)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy and await self._serving(worker):
+                return  # busy, not sick: its health service answers; the last stats stand
             if worker.healthy:
                 log.warning("worker %s unhealthy: %s %s", worker.address, exc.code().name, exc.details())
                 self.on_change()
@@ -157,6 +174,15 @@ class WorkerPool:
             log.info("worker %s healthy", worker.address)
             worker.healthy = True
             self.on_change()
+
+    async def _serving(self, worker: Worker) -> bool:
+        try:
+            reply = await health_pb2_grpc.HealthStub(worker.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=max(0.5, self.config.stats_interval_s)
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def _adopt_tokenizer(self, worker: Worker, timeout: float) -> None:
         assert worker.info is not None

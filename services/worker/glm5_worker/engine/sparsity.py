@@ -2,15 +2,23 @@
 
 The engine measures the mean entropy (nats) of each layer's sparse attention every few steps. Two
 exponential averages per layer give the drift signal the router's breaker watches:
-drift = |short - long| / long. The controller (off by default, since it departs from how the model was
-trained) widens a full-indexer layer's top-k by `widen_factor` when its entropy stays below `threshold` for
-`patience` consecutive measurements, and narrows it back after `patience` measurements at or above it.
+drift = |short - long| / long: the recent entropy against the worker's own running baseline. It fades
+(half-life DRIFT_HALF_LIFE_S) while no new measurement comes: an idle worker has no drift, so a spike from its
+last requests cannot keep its router's breaker degraded after the traffic has gone.
+
+The controller (off by default, since it departs from how the model was trained) widens a full-indexer
+layer's top-k by `widen_factor` when its entropy stays below `threshold` for `patience` consecutive
+measurements, and narrows it back after `patience` measurements at or above it.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+DRIFT_HALF_LIFE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -42,7 +50,10 @@ class SparsityController:
         threshold: float,
         patience: int,
         widen_factor: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock
+        self.last_observed = clock()
         self.base_topk = index_topk
         self.full_layers = set(full_layers)
         self.enabled, self.threshold, self.patience, self.widen_factor = enabled, threshold, patience, widen_factor
@@ -55,6 +66,7 @@ class SparsityController:
         return [s.topk for s in self.layers]
 
     def observe(self, entropy: dict[int, float]) -> None:
+        self.last_observed = self.clock()
         for layer, value in entropy.items():
             if not math.isfinite(value):
                 continue
@@ -81,4 +93,5 @@ class SparsityController:
 
     @property
     def max_drift(self) -> float:
-        return max((s.drift for s in self.layers), default=0.0)
+        fade = float(0.5 ** ((self.clock() - self.last_observed) / DRIFT_HALF_LIFE_S))
+        return fade * max((s.drift for s in self.layers), default=0.0)

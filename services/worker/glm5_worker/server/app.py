@@ -87,6 +87,7 @@ async def start_worker(
     engine = AsyncEngine(await asyncio.to_thread(Engine, config), on_fatal)
     server = new_server([RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
     service = WorkerService(engine, security.weights_root)
+    await service.prime()
 
     def add(s: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, s)  # type: ignore[no-untyped-call]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -16,13 +17,14 @@ from glm5.serving import RequestFailed, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped, ReplicaLost
-from glm5_worker.engine.engine import RequestOutput
+from glm5_worker.engine.engine import EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
 from glm5_worker.engine.structured import OutputFormat
 from glm5_worker.engine.weights import read_checkpoint
 from glm5_worker.parallel.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
+STATS_WAIT_S = 0.2  # GetStats waits this long for fresh stats before answering with the last ones
 
 
 def sampling_from_proto(req: worker_pb2.GenerateRequest, default_max_new_tokens: int) -> SamplingParams:
@@ -114,9 +116,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: AsyncEngine, weights_root: Path | None = None) -> None:
         self.engine = engine
         self.weights_root = weights_root
+        self._stats: list[EngineStats] = []  # the last stats computed
         e = engine.engine
         self.default_max_new_tokens = e.config.default_max_new_tokens
         self._weights_lock = asyncio.Lock()
+
+    async def prime(self) -> None:
+        """Computes the first stats, so GetStats always has some to answer with while a step runs."""
+        with contextlib.suppress(ReplicaFailure):  # a lost replica answers UNAVAILABLE from the start
+            self._stats[:] = [await self.engine.run(self.engine.engine.stats)]
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -174,10 +182,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetStats(
         self, request: worker_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
+        # the engine thread computes them between steps; while a long step runs (a prefill chunk of a very long
+        # prompt) the last ones answer, so a router's poll never times out on a busy worker
+        future = asyncio.wrap_future(self.engine.call(self.engine.engine.stats))
         try:
-            st = await self.engine.run(self.engine.engine.stats)
+            st = await asyncio.wait_for(asyncio.shield(future), STATS_WAIT_S)
+        except TimeoutError:
+            future.cancel()
+            if not self._stats:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no stats yet: the engine is busy")
+            st = self._stats[-1]
         except ReplicaFailure as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        self._stats[:] = [st]
         return worker_pb2.WorkerStats(
             kv_usage=st.kv.usage,
             kv_fragmentation=st.kv.fragmentation,
