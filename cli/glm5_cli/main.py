@@ -97,6 +97,12 @@ def _operator(a: argparse.Namespace) -> None:
 
     from glm5_operator.config import OperatorConfig
     from glm5_operator.handlers import run
+    from glm5_operator.kube import Kube
+
+    problem = Kube.credentials_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(1)
 
     logging.basicConfig(
         level=logging.DEBUG if a.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

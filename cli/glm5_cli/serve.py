@@ -13,9 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from glm5.errors import ConfigError
+
+if TYPE_CHECKING:
+    from glm5_router.config import RouterConfig
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("glm5.serve")
@@ -39,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-arg", action="append", default=[], help="extra `glm5 worker` flag (repeatable), "
                    "e.g. --worker-arg=--max-num-seqs=32")  # fmt: skip
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a worker may take to load")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests may take to finish on Ctrl-C / SIGTERM")  # fmt: skip
+    p.add_argument("--no-worker-timeout", type=float, default=10.0,
+                   help="with every worker down, seconds a request waits before it fails with 503")  # fmt: skip
 
 
 def free_port() -> int:
@@ -80,41 +88,96 @@ def stop_processes(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) 
             p.wait()
 
 
+class Supervisor:
+    """Keeps `glm5 serve`'s workers running. One that exits (a crash, the OOM killer, a SIGKILL) is started
+    again on the same port after a backoff (1 s, doubling up to 30 s, back to 1 s once it has run for a
+    minute); the router's health polls take it back into rotation when it serves. Meanwhile the router sends
+    its requests to the other workers, or, with none left, fails them with 503 after --no-worker-timeout."""
+
+    MIN_BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
+
+    def __init__(self, commands: list[list[str]], targets: list[str]) -> None:
+        self.commands, self.targets = commands, targets
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(commands)
+        self.started = [0.0] * len(commands)
+        self.backoff = [self.MIN_BACKOFF_S] * len(commands)
+        self.restart_at: list[float | None] = [None] * len(commands)
+        self.restarts = 0
+
+    def start(self, i: int) -> None:
+        self.procs[i] = subprocess.Popen(self.commands[i], env=os.environ.copy())
+        self.started[i] = time.monotonic()
+
+    def start_all(self, timeout: float) -> None:
+        for i in range(len(self.commands)):
+            self.start(i)
+        for target, proc in zip(self.targets, self.procs, strict=True):
+            assert proc is not None
+            wait_serving(target, proc, timeout)
+
+    def check(self) -> None:
+        """One supervision pass: notice exits, restart what is due."""
+        now = time.monotonic()
+        for i, proc in enumerate(self.procs):
+            if proc is None or proc.poll() is None:
+                continue
+            if self.restart_at[i] is None:
+                if now - self.started[i] >= self.STABLE_S:
+                    self.backoff[i] = self.MIN_BACKOFF_S
+                self.restart_at[i] = now + self.backoff[i]
+                log.warning("worker on %s exited with status %s; restarting in %.0fs", self.targets[i],
+                            proc.returncode, self.backoff[i])  # fmt: skip
+                self.backoff[i] = min(self.backoff[i] * 2, self.MAX_BACKOFF_S)
+            elif now >= self.restart_at[i]:  # type: ignore[operator]
+                self.restart_at[i] = None
+                self.restarts += 1
+                log.info("restarting the worker on %s", self.targets[i])
+                self.start(i)
+
+    async def watch(self, interval: float = 0.5) -> None:
+        while True:
+            self.check()
+            await asyncio.sleep(interval)
+
+    def signal_all(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float) -> None:
+        self.signal_all()
+        stop_processes([p for p in self.procs if p is not None], timeout)
+
+
 def run(a: argparse.Namespace) -> None:
     from glm5.model.presets import default_model_path
     from glm5_router.config import RouterConfig
-    from glm5_router.server.app import start_router
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.workers < 1:
         raise ConfigError("--workers must be >= 1")
     model = Path(a.model) if a.model else default_model_path()  # built once, before the workers race for it
-    procs: list[subprocess.Popen[bytes]] = []
-    targets = []
+    targets = [f"127.0.0.1:{free_port()}" for _ in range(a.workers)]
+    commands = [[sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
+                 "--port", t.rpartition(":")[2], "--device", a.device, "--shutdown-grace", str(a.shutdown_grace),
+                 *a.worker_arg] for t in targets]  # fmt: skip
+    supervisor = Supervisor(commands, targets)
     try:
-        for _ in range(a.workers):
-            port = free_port()
-            cmd = [sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
-                   "--port", str(port), "--device", a.device, *a.worker_arg]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, env=os.environ.copy()))
-            targets.append(f"127.0.0.1:{port}")
-        for target, proc in zip(targets, procs, strict=True):
-            wait_serving(target, proc, a.startup_timeout)
+        supervisor.start_all(a.startup_timeout)
         config = RouterConfig(
             workers=tuple(targets), host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
             redis_url=a.redis_url, thinking_policy=a.thinking_policy, sm4_key_dir=a.sm4_key_dir,
+            no_worker_timeout_s=a.no_worker_timeout,
         )  # fmt: skip
-        asyncio.run(_serve(config, start_router))
+        asyncio.run(_serve(config, supervisor, a.shutdown_grace))
     finally:
-        stop_processes(procs)
+        supervisor.stop(a.shutdown_grace + 3)
 
 
-async def _serve(config: object, start_router: object) -> None:
-    from glm5_router.config import RouterConfig
-    from glm5_router.server.app import RouterApp
+async def _serve(config: RouterConfig, supervisor: Supervisor, grace: float) -> None:
+    from glm5_router.server.app import start_router
 
-    assert isinstance(config, RouterConfig) and callable(start_router)
-    app: RouterApp = await start_router(config)
+    app = await start_router(config)
     await app.pool.wait_ready(60)
     host = "localhost" if config.host in ("0.0.0.0", "127.0.0.1") else config.host
     print(f"\nglm5 is serving {app.frontend.model_name} with {len(config.workers)} worker(s)\n"
@@ -125,6 +188,9 @@ async def _serve(config: object, start_router: object) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(supervisor.watch())
     await stop.wait()
     print("stopping...", flush=True)
-    await app.stop(5.0)
+    watcher.cancel()
+    supervisor.signal_all()  # the workers drain their running requests while the router drains its streams
+    await app.stop(grace)

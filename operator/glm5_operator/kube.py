@@ -79,6 +79,21 @@ class Kube:
             kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
         return cls(kubernetes.client.ApiClient())
 
+    @staticmethod
+    def credentials_problem() -> str | None:
+        """Why there are no cluster credentials here (None when there are): kopf would otherwise retry its
+        login with a traceback every minute, forever."""
+        try:
+            kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
+            return None
+        except kubernetes.config.ConfigException:
+            pass
+        try:
+            kubernetes.config.load_kube_config()  # type: ignore[no-untyped-call]
+            return None
+        except (kubernetes.config.ConfigException, OSError) as exc:
+            return f"no Kubernetes credentials: not in a pod, and no usable kubeconfig ({exc})"
+
     @classmethod
     def for_server(cls, server: str) -> Kube:
         configuration = kubernetes.client.Configuration(host=server)

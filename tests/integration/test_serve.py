@@ -56,3 +56,57 @@ def test_glm5_serve_runs_the_stack_and_stops_cleanly(tmp_path: Path) -> None:
         code = proc.wait(60)
     assert code == 0, log.read_text()[-3000:]
     assert not any(_alive(c) for c in children), "workers left behind"
+
+
+def test_serve_restarts_a_killed_worker_and_stops_within_the_grace(tmp_path: Path) -> None:
+    """A SIGKILLed worker under load: requests on it fail or move on, serve starts it again, and requests after
+    the restart succeed; SIGTERM then stops everything within the drain grace plus 5 s."""
+    import concurrent.futures
+    import time
+
+    http_port, grpc_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "glm5_cli", "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+           "--worker-arg=--kv-cache-bytes=64MiB", "--worker-arg=--max-model-len=2048", "--shutdown-grace", "3",
+           "--no-worker-timeout", "60"]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        wait_http(f"http://127.0.0.1:{http_port}/health", proc, timeout=300)
+        (worker,) = _children(proc.pid)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0,
+                               timeout=120)  # fmt: skip
+        model = client.models.list().data[0].id
+
+        def ask(i: int) -> str:
+            try:
+                r = client.completions.create(model=model, prompt=f"{i} + 1 =", max_tokens=200,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+                return r.choices[0].finish_reason or ""
+            except openai.APIError as exc:
+                return type(exc).__name__
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            during = [pool.submit(ask, i) for i in range(4)]
+            time.sleep(1.0)
+            os.kill(worker, signal.SIGKILL)  # under load
+            outcomes = [f.result(timeout=120) for f in during]
+        assert all(outcomes), outcomes  # each ended one way or the other; none hung
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            kids = _children(proc.pid)
+            if kids and kids != [worker]:
+                break
+            time.sleep(0.2)
+        assert kids and worker not in kids, "the worker was not restarted"
+        after = [ask(i) for i in range(3)]  # the router takes the restarted worker back
+        assert after == ["length"] * 3, after
+        text = log.read_text()
+        assert "exited with status -9; restarting" in text and "restarting the worker" in text
+    finally:
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+        took = time.monotonic() - start
+    assert code == 0, log.read_text()[-3000:]
+    assert took < 3 + 5, f"SIGTERM took {took:.1f}s"

@@ -53,6 +53,7 @@ def secured(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         [target], *router_pair.flags(ca.path), "--tls-server-name", "worker", "--api-key-file", str(keys_file),
         "--http-tls-cert", str(router_pair.cert), "--http-tls-key", str(router_pair.key),
         tls=TlsConfig(str(trainer_pair.cert), str(trainer_pair.key), str(ca.path), "router"), https_ca=ca.path,
+        log=folder / "router.log",
     )  # fmt: skip
     try:
         pairs = {"worker": worker_pair, "router": router_pair, "trainer": trainer_pair, "stranger": stranger}
@@ -60,6 +61,8 @@ def secured(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     finally:
         stop(router)
         stop(worker)
+    log = (folder / "router.log").read_text()
+    assert "API keys required" in log and not any(key in log for key in KEYS)  # no secret in the log
 
 
 def _tls(s: dict[str, Any], who: str, server_name: str) -> TlsConfig:
