@@ -127,3 +127,15 @@ def test_every_value_is_documented_and_typed() -> None:
                 break  # free-form object below here (resources, nodeSelector, ...)
             node = node["properties"][part]
             assert node.get("description"), f"{leaf}: no description in values.schema.json"
+
+
+def test_operator_network_policy_allows_only_the_api_server_and_dns() -> None:
+    docs = render()
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["spec"]["ingress"] == []
+    ports = sorted((p["protocol"], p["port"]) for rule in policy["spec"]["egress"] for p in rule["ports"])
+    assert ports == [("TCP", 53), ("TCP", 443), ("TCP", 6443), ("UDP", 53)]
+    narrowed = render("--set", "networkPolicy.apiServerCIDRs={10.0.0.1/32}")
+    (policy,) = [d for d in narrowed if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["egress"][0]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    assert not [d for d in render("--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
