@@ -19,6 +19,7 @@ from typing import Any, Literal
 from glm5.errors import InvalidRequestError, UnavailableError
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from glm5_router.config import RouterConfig
@@ -306,8 +307,9 @@ class Frontend:
         if s.HasField("temperature"):
             attributes["gen_ai.request.temperature"] = s.temperature
         # not made the current span: this generator may be closed from another task (a client that left), and
-        # detaching a context there fails ("Failed to detach context"); nothing below reads the current span
+        # detaching a context there fails ("Failed to detach context"); the job carries it to the worker calls
         span = t.tracer.start_span(f"{operation} {self.model_name}", kind=SpanKind.SERVER, attributes=attributes)
+        job.trace_context = trace.set_span_in_context(span)
         with span:
             first = last = 0.0
             tokens = 0

@@ -16,7 +16,7 @@ from glm5_router.scheduling.dispatcher import WorkerStatusError
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers: no API key (docs/security.md)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # probes and scrapers: no API key (docs/security.md)
 
 
 class ApiError(Exception):

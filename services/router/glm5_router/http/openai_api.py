@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
+import yaml
 from aiohttp import web
 from glm5.errors import UnavailableError
 from glm5.security import Secret
@@ -139,7 +142,9 @@ class OpenAIServer:
         if self.api_keys:
             middlewares.append(auth_middleware(self.api_keys))
         if self.sealed_only:
-            middlewares.append(sealed_only_middleware(frozenset({"/health", "/metrics", "/v1/models"})))
+            middlewares.append(
+                sealed_only_middleware(frozenset({"/health", "/metrics", "/v1/models", "/openapi.json"}))
+            )
         app = web.Application(client_max_size=self.max_body, middlewares=middlewares)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
@@ -147,8 +152,13 @@ class OpenAIServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """This API's OpenAPI description (what schemathesis fuzzes; see docs/router.md)."""
+        return web.json_response(openapi_description())
 
     async def health(self, request: web.Request) -> web.Response:
         pool = self.frontend.pool
@@ -468,6 +478,11 @@ class OpenAIServer:
         sse = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await sse.prepare(request)
         return sse
+
+
+@functools.cache
+def openapi_description() -> dict[str, Any]:
+    return dict(yaml.safe_load((Path(__file__).parent / "openapi.yaml").read_text()))
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

@@ -135,7 +135,7 @@ class Dispatcher:
         job.attempts += 1
         outcome: bool | None = True
         span = self.telemetry.tracer.start_span(
-            "glm5.v1.Worker/Generate", kind=SpanKind.CLIENT,
+            "glm5.v1.Worker/Generate", kind=SpanKind.CLIENT, context=job.trace_context,
             attributes={"rpc.system": "grpc", "server.address": worker.address, "glm5.attempt": job.attempts},
         )  # fmt: skip
         stream = worker.requests.generate(job.request)

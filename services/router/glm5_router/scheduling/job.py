@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from glm5.v1 import worker_pb2
 
@@ -34,6 +34,7 @@ class Job:
     queued: bool = False
     reasoning_budget: int | None = None  # light thinking: close <think> after this many tokens
     failed_on: set[str] = field(default_factory=set)  # workers that failed it (avoided on retry)
+    trace_context: Any = None  # the request's server span, parent of the worker-call spans (passed, not current)
 
     @property
     def kv_cost(self) -> int:
