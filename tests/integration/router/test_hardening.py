@@ -5,6 +5,7 @@ refused with bounded memory while /health keeps answering, malformed numbers are
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import threading
 import time
@@ -19,7 +20,7 @@ import psutil
 import pytest
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
-from tests.helpers.procs import start_router, start_worker, stop
+from tests.helpers.procs import start_router, start_scripted_worker, start_worker, stop
 
 WORKER_FLAGS = ("--max-model-len", "1024", "--kv-cache-bytes", "16MiB")
 MAX_RSS_GROWTH = 64 << 20
@@ -210,3 +211,37 @@ def test_a_client_that_leaves_cancels_its_request_and_logs_one_line(stack: dict[
     assert _idle_within(stack["worker"], 5), "the worker kept generating for a client that left"
     log = (stack["logs"] / "router.log").read_text()
     assert "Traceback" not in log and "Failed to detach context" not in log
+
+
+def test_a_queued_request_whose_client_left_leaves_the_queue(tmp_path: Path) -> None:
+    """No worker can take it (the only one is unhealthy): the request waits in the queue; its client gives up; it
+    is gone from the queue at once, not at its deadline."""
+    stats = tmp_path / "stats.json"
+    stats.write_text("{}")
+    worker, target = start_scripted_worker(stats)
+    router, _, base = start_router([target], "--no-worker-timeout", "120", "--queue-timeout", "600")
+    health = base.removesuffix("/v1") + "/health"
+    stats.write_text(json.dumps({"_unhealthy": True}))
+    time.sleep(1.0)  # a few polls: out of rotation
+
+    def queued() -> int:
+        resp = httpx2.get(health, timeout=5)
+        return sum(resp.json()["queued"].values())
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            body = {"model": "glm5-scripted", "prompt": "hi"}
+            gave_up = pool.submit(httpx2.post, base + "/completions", json=body, timeout=2.5)
+            deadline = time.monotonic() + 2
+            while not queued() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert queued() == 1  # waiting for a worker
+            with pytest.raises(httpx2.TimeoutException):
+                gave_up.result()
+        deadline = time.monotonic() + 5
+        while queued() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert queued() == 0
+    finally:
+        stop(router)
+        stop(worker)

@@ -1,0 +1,101 @@
+"""Breaker soak: one worker at saturation behind a router for a while, with the default breaker thresholds. How
+often is each soft signal over its threshold on normal traffic (the share of stats samples), how high do they
+get, and does the breaker ever open? (It must not: a single worker is never ejected.)
+
+    .venv/bin/python benchmarks/breaker_soak.py --seconds 600 --clients 16      (results in docs/benchmarks.md l)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+import openai
+from glm5.model.presets import SHIPPED_MODEL
+from glm5.v1 import worker_pb2, worker_pb2_grpc
+from glm5_router.config import BreakerConfig
+
+from tests.helpers.procs import start_router, start_worker, stop
+
+SIGNALS = {"kv_fragmentation": "kv_fragmentation", "attention_entropy_drift": "entropy_drift",
+           "token_latency_jitter_ms": "token_jitter_ms"}  # fmt: skip
+PROMPTS = [f"What is {a} + {b}?" for a in range(3, 90, 7) for b in range(2, 80, 9)]
+
+
+async def soak(seconds: float, clients: int, base: str, worker: str) -> dict[str, object]:
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
+    model = (await client.models.list()).data[0].id
+    deadline = time.monotonic() + seconds
+    counts = {"ok": 0, "error": 0}
+    samples: list[worker_pb2.WorkerStats] = []
+    health_states: list[str] = []
+
+    async def user(i: int) -> None:
+        n = i
+        while time.monotonic() < deadline:
+            n += clients
+            try:
+                messages = [{"role": "user", "content": PROMPTS[n % len(PROMPTS)]}]
+                await client.chat.completions.create(model=model, max_tokens=48, temperature=0.7, messages=messages)
+                counts["ok"] += 1
+            except openai.APIError:
+                counts["error"] += 1
+
+    async def watch() -> None:
+        async with grpc.aio.insecure_channel(worker) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            while time.monotonic() < deadline:
+                samples.append(await stub.GetStats(worker_pb2.GetStatsRequest(), timeout=5))
+                with urllib.request.urlopen(base.removesuffix("/v1") + "/health", timeout=5) as r:
+                    health_states.append(json.load(r)["workers"][0]["breaker"])
+                await asyncio.sleep(0.5)
+
+    await asyncio.gather(watch(), *(user(i) for i in range(clients)))
+    limits = BreakerConfig()
+    table = {}
+    for field, limit_name in SIGNALS.items():
+        values = [float(getattr(s, field)) for s in samples]
+        limit = float(getattr(limits, limit_name))
+        table[field] = {"threshold": limit, "over_share": sum(v > limit for v in values) / len(values),
+                        "p50": statistics.median(values), "p99": sorted(values)[int(0.99 * (len(values) - 1))],
+                        "max": max(values)}  # fmt: skip
+    with urllib.request.urlopen(base.removesuffix("/v1") + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    opened = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("glm5_router_breaker_transitions_total") and 'to="open"' in line)  # fmt: skip
+    return {"requests": counts, "samples": len(samples), "signals": table, "breaker_opened": opened,
+            "breaker_states_seen": sorted(set(health_states))}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seconds", type=float, default=600)
+    p.add_argument("--clients", type=int, default=16)
+    a = p.parse_args()
+    proc, target = start_worker(SHIPPED_MODEL, "--max-model-len", "1024", "--kv-cache-bytes", "64MiB")
+    router, _, base = start_router([target])
+    try:
+        result = asyncio.run(soak(a.seconds, a.clients, base, target))
+    finally:
+        stop(router)
+        stop(proc)
+    print(f"{a.seconds:.0f} s at {a.clients} clients on one worker: {result['requests']}, "
+          f"{result['samples']} stats samples, breaker opened {result['breaker_opened']:.0f} times, "
+          f"states seen {result['breaker_states_seen']}")  # fmt: skip
+    print(f"{'signal':<26}{'threshold':>10}{'over':>8}{'p50':>10}{'p99':>10}{'max':>10}")
+    for name, row in result["signals"].items():  # type: ignore[attr-defined]
+        print(f"{name:<26}{row['threshold']:>10g}{row['over_share']:>8.1%}{row['p50']:>10.3f}{row['p99']:>10.3f}"
+              f"{row['max']:>10.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
