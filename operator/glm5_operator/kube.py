@@ -190,6 +190,8 @@ def _applied_fields(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_last_applied(manifest: dict[str, Any]) -> dict[str, Any]:
+    if manifest["kind"] == "Secret":
+        return manifest  # created once, never patched: no copy of its data in an annotation
     applied = json.dumps(_applied_fields(manifest), sort_keys=True, separators=(",", ":"))
     meta = dict(manifest["metadata"])
     meta["annotations"] = {**meta.get("annotations", {}), LAST_APPLIED: applied}

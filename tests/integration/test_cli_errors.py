@@ -47,3 +47,31 @@ def test_an_unreachable_redis_is_named_without_its_password() -> None:
     assert proc.returncode == 2
     assert "cannot reach redis://:***@127.0.0.1:1/0" in proc.stderr
     assert "hunter2secret" not in proc.stderr + proc.stdout
+
+
+def test_a_second_router_cannot_share_the_grpc_port() -> None:
+    """gRPC's default SO_REUSEPORT would let it bind and take half the connections silently."""
+    from tests.helpers.procs import start_router, stop
+
+    first, grpc_target, _ = start_router(["127.0.0.1:1"])
+    try:
+        port = grpc_target.rpartition(":")[2]
+        proc = _glm5("router", "--worker", "127.0.0.1:1", "--grpc-port", port, "--http-port", str(free_port()))
+        assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port} (gRPC)" in proc.stderr, proc.stderr
+    finally:
+        stop(first)
+
+
+def test_glm5_generate_reaches_a_router_and_a_worker(tiny_model: Path) -> None:
+    from tests.helpers.procs import start_router, start_worker, stop
+
+    worker, worker_target = start_worker(tiny_model, "--max-model-len", "256", "--kv-cache-bytes", "16MiB")
+    router, router_target, _ = start_router([worker_target])
+    try:
+        for target in (router_target, worker_target):
+            proc = _glm5("generate", "--target", target, "--max-new-tokens", "4", "--temperature", "0", "1 + 1")
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert "+ 4 generated tokens]" in proc.stderr, proc.stderr
+    finally:
+        stop(router)
+        stop(worker)

@@ -30,7 +30,10 @@ class Child:
 
 
 def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig) -> list[Child]:
-    out = [Child(workers.engine_config_map(instance, namespace, spec))]
+    out = [
+        Child(network.admin_secret(instance, namespace), create_only=True),
+        Child(workers.engine_config_map(instance, namespace, spec)),
+    ]
     w = spec.workers
     if w.accelerator == "ascend-910b":
         pending = build_rank_table([None] * w.pods_per_replica, w.ring_order)

@@ -8,15 +8,40 @@ Probes come from the kubelet on the node, which NetworkPolicies do not filter.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from glm5_operator.api.deployment import GLM5DeploymentSpec
 from glm5_operator.render.common import child_name, metadata, selector
 
 CLIENT_OF_LABEL = "glm5.ai/client-of"  # on RLJob pods: the worker instance they call
+ADMIN_DIR = "/etc/glm5/admin"  # the workers' admin token (UpdateWeights), mounted in workers and RLJob trainers
+ADMIN_FILE = "token"
+WEIGHTS_ROOT = "/var/lib/glm5/checkpoints"  # where RLJob trainers publish versions; the only place workers load from
 TLS_DIR = "/etc/glm5/tls"
 API_KEYS_DIR = "/etc/glm5/api-keys"
 API_KEYS_FILE = "keys"
+
+
+def admin_secret_name(instance: str) -> str:
+    return child_name(instance, "admin")
+
+
+def admin_secret(instance: str, namespace: str) -> dict[str, Any]:
+    """The workers' admin token: random, created once (never patched, so reconciling keeps it), mounted into
+    the instance's workers and into the trainers of the RL jobs that push weights to them."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(admin_secret_name(instance), namespace, instance, "worker"),
+        "type": "Opaque",
+        "stringData": {ADMIN_FILE: secrets.token_urlsafe(32)},
+    }
+
+
+def admin_volume(instance: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    volume = {"name": "admin", "secret": {"secretName": admin_secret_name(instance), "defaultMode": 0o400}}
+    return volume, {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True}
 
 
 def tls_settings(spec: GLM5DeploymentSpec) -> dict[str, Any]:

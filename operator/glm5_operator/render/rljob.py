@@ -21,13 +21,13 @@ from glm5_operator.render.common import (
     pod_security_context,
     selector,
 )
-from glm5_operator.render.network import CLIENT_OF_LABEL
+from glm5_operator.render.network import ADMIN_DIR, ADMIN_FILE, CLIENT_OF_LABEL, WEIGHTS_ROOT, admin_volume
 from glm5_operator.render.workers import ACCELERATOR_RESOURCE, ALL_INTERFACES, worker_address
 
 GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
 TRAINER_FILE = "trainer.json"  # `glm5 trainer --config`
 RL_DIR = "/etc/glm5/rl"
-CHECKPOINT_DIR = "/var/lib/glm5/checkpoints"
+CHECKPOINT_DIR = WEIGHTS_ROOT
 TERMINATION_LOG = "/dev/termination-log"  # the container's termination message (Kubernetes' default path)
 
 
@@ -64,6 +64,7 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "sync-every-steps": t.sync_every_steps,
         "ema-decay": t.ema_decay,
         "checkpoint-dir": CHECKPOINT_DIR,
+        "admin-token-file": f"{ADMIN_DIR}/{ADMIN_FILE}",  # the engines' token, sent with UpdateWeights
         "dataset": spec.dataset.uri,
         "environment": spec.dataset.environment,
     }
@@ -192,6 +193,9 @@ def trainer_stateful_set(
     )
     trainer = template["spec"]["containers"][0]
     trainer["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    admin, admin_mount = admin_volume(client_of)  # the token of the workers it pushes weights to
+    template["spec"]["volumes"].append(admin)
+    trainer["volumeMounts"].append(admin_mount)
     trainer["terminationMessagePath"] = TERMINATION_LOG
     trainer["terminationMessagePolicy"] = "File"
     return {

@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-port", type=int, help="also answer gRPC health checks in plain text on this port "
                    "(Kubernetes' probes cannot speak TLS)")  # fmt: skip
     p.add_argument("--weights-root", help="the only directory UpdateWeights may load checkpoints from (default: "
-                   "UpdateWeights is refused)")  # fmt: skip
+                   "UpdateWeights is refused); it may appear after the worker starts")  # fmt: skip
     p.add_argument("--no-retain-host-memory", action="store_true",
                    help="let glibc give freed host memory back to the kernel (its default; each step then faults "
                    "its pages in again)")  # fmt: skip
@@ -135,8 +135,9 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 def security_from_args(a: argparse.Namespace) -> ServerSecurity:
     root = Path(a.weights_root) if a.weights_root else None
-    if root is not None and not root.is_dir():
+    if root is not None and root.exists() and not root.is_dir():
         raise ConfigError(f"--weights-root {root} is not a directory")
+    # a root that does not exist yet is fine: a volume may be mounted, or a trainer create it, later
     return ServerSecurity(tls_from_args(a), admin_policy_from_args(a), root, a.health_port)
 
 

@@ -73,15 +73,18 @@ def test_rbac_covers_every_child_the_operator_creates() -> None:
     config = OperatorConfig()
     spec = parse_deployment({"model": {"path": "/m"}, "workers": {"accelerator": "ascend-910b"}})
     job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {}}, "dataset": {"uri": "/d"}})
-    manifests = [c.manifest for c in deployment_children("x", "ns", spec, config)]
-    manifests += [c.manifest for c in rljob_children("y", "ns", job, config, None)]
+    children = [*deployment_children("x", "ns", spec, config), *rljob_children("y", "ns", job, config, None)]
     allowed = {
         (g, res, v) for _, r in _rules(render()) for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]
     }
-    for m in manifests:
+    for child in children:
+        m = child.manifest
         group = m["apiVersion"].rpartition("/")[0]
-        for verb in ("get", "list", "watch", "create", "patch"):
+        # created once, never patched or watched: get and create only (the admin-token Secrets)
+        verbs = ("get", "create") if child.create_only else ("get", "list", "watch", "create", "patch")
+        for verb in verbs:
             assert (group, PLURALS[m["kind"]], verb) in allowed, (m["kind"], verb)
+    assert ("", "secrets", "list") not in allowed and ("", "secrets", "patch") not in allowed  # least privilege
     for verb in ("get", "list", "watch"):  # rank tables follow the worker pods
         assert ("", "pods", verb) in allowed
 

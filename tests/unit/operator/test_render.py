@@ -14,6 +14,7 @@ from glm5_cli.main import parse_args
 from glm5_operator.api import parse_deployment, parse_rljob
 from glm5_operator.api.validation import InvalidSpec
 from glm5_operator.config import OperatorConfig
+from glm5_operator.kube import _with_last_applied
 from glm5_operator.render import deployment_children, rljob_children
 from glm5_operator.render.common import MAX_NAME, child_name
 from glm5_operator.render.workers import engine_settings
@@ -239,3 +240,29 @@ def test_rljob_pods_are_clients_of_their_workers() -> None:
 def test_security_settings_are_checked(security: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidSpec, match=message):
         parse_deployment({"model": {"path": "/m"}, "security": security})
+
+
+def test_workers_get_an_admin_token_that_only_their_rl_trainers_share() -> None:
+    spec = parse_deployment({"model": {"path": "/m"}})
+    children = deployment_children("served", "ml", spec, CONFIG)
+    (secret,) = [c for c in children if c.kind == "Secret"]
+    assert secret.create_only and secret.name == "served-admin"  # created once: reconciles keep the token
+    assert len(secret.manifest["stringData"]["token"]) >= 40
+    applied = _with_last_applied(secret.manifest)  # what Kube.apply creates: no copy of the token in an annotation
+    assert "glm5.ai/last-applied" not in (applied["metadata"].get("annotations") or {})
+    again = next(c for c in deployment_children("served", "ml", spec, CONFIG) if c.kind == "Secret")
+    assert again.manifest["stringData"]["token"] != secret.manifest["stringData"]["token"]  # random, not derived
+    engine = json.loads(next(c for c in children if c.name == "served-engine").manifest["data"]["engine.json"])
+    assert (
+        engine["admin-token-file"] == "/etc/glm5/admin/token" and engine["weights-root"] == "/var/lib/glm5/checkpoints"
+    )
+    sts = next(c.manifest for c in children if c.kind == "StatefulSet")["spec"]["template"]["spec"]
+    assert {"name": "admin", "secret": {"secretName": "served-admin", "defaultMode": 0o400}} in sts["volumes"]
+    job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"deploymentRef": "served"}, "dataset": {"uri": "x"}})
+    trainer = next(c.manifest for c in rljob_children("job", "ml", job, CONFIG, spec) if c.kind == "StatefulSet")
+    pod = trainer["spec"]["template"]["spec"]
+    assert {"name": "admin", "secret": {"secretName": "served-admin", "defaultMode": 0o400}} in pod["volumes"]
+    assert {"name": "admin", "mountPath": "/etc/glm5/admin", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    settings = json.loads(next(c.manifest for c in rljob_children("job", "ml", job, CONFIG, spec)
+                               if c.kind == "ConfigMap")["data"]["trainer.json"])  # fmt: skip
+    assert settings["admin-token-file"] == "/etc/glm5/admin/token"
