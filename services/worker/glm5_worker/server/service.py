@@ -24,6 +24,7 @@ from glm5_worker.engine.weights import read_checkpoint
 from glm5_worker.parallel.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
+MAX_FORMAT_CHARS = 64 << 10  # the router's limit too (docs/security.md)
 STATS_WAIT_S = 0.2  # GetStats waits this long for fresh stats before answering with the last ones
 
 
@@ -58,6 +59,8 @@ def _output_format(so: common_pb2.StructuredOutput) -> OutputFormat:
             "sampling.structured_output", "set one of json_schema, json_object, regex, lark_grammar"
         )
     spec = "" if kind == "json_object" else getattr(so, kind)
+    if len(spec) > MAX_FORMAT_CHARS:  # compiling a format costs time and memory with its size
+        raise InvalidRequestError(f"sampling.structured_output.{kind}", f"at most {MAX_FORMAT_CHARS} characters")
     return OutputFormat(
         kind,
         spec,
