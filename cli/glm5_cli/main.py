@@ -118,7 +118,7 @@ def _operator(a: argparse.Namespace) -> None:
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    liveness = f"http://0.0.0.0:{a.health_port}/healthz" if a.health_port else None
+    liveness = f"http://{a.health_host}:{a.health_port}/healthz" if a.health_port else None
     asyncio.run(run(config, liveness_endpoint=liveness))
 
 
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--namespace", help="watch only this namespace (default: all, or $GLM5_WATCH_NAMESPACE)")
     o.add_argument("--image", help="default image for workers, router, gateway and trainer (or $GLM5_IMAGE)")
     o.add_argument("--health-port", type=int, default=8080, help="serve /healthz on this port (0: off)")
+    o.add_argument("--health-host", default="127.0.0.1", help="address of /healthz (the chart sets 0.0.0.0)")
     o.add_argument("--verbose", action="store_true")
     o.set_defaults(func=_operator)
 

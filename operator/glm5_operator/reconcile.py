@@ -241,6 +241,17 @@ class Reconciler:
             self._set_status(body, {"phase": "Failed"}, invalid_spec_conditions(gen, str(exc)))
             raise
         ref_spec = self._referenced(body, spec, required=True)
+        if ref_spec is not None and ref_spec.security.tls_secret:
+            # the gateway and trainer present no client certificates yet: they could not reach the workers
+            message = (
+                f"rollout.deploymentRef: GLM5Deployment {spec.rollout.deployment_ref} uses mutual TLS "
+                "(security.tlsSecret), which RLJob pods do not speak yet; give the job its own workers"
+            )
+            self._set_status(body, {"phase": "Pending"}, [
+                condition("RolloutReady", False, "TLSNotSupported", message, gen),
+                condition("Ready", False, "TLSNotSupported", message, gen),
+            ])  # fmt: skip
+            raise WaitingFor(message)
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         succeeded = self._rljob_succeeded(body, spec)
         outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec, succeeded), new)

@@ -138,3 +138,13 @@ async def test_a_job_with_steps_succeeds_scales_to_zero_and_resumes_when_raised(
                                and c, what="Succeeded=False again")  # fmt: skip
     assert "5 steps" in resumed["message"]
     assert "completedSteps" not in cluster.obj("RLJob", "rl")["status"]
+
+
+async def test_a_deployment_behind_mutual_tls_is_refused_as_rollout_engines(cluster: Cluster) -> None:
+    await cluster.apply_cr("GLM5Deployment", "serve", {"model": {"path": "/models/tiny"},
+                                                       "security": {"tlsSecret": "glm5-tls"}})  # fmt: skip
+    spec = {"policy": {"path": "/models/tiny"}, "rollout": {"deploymentRef": "serve"}, "dataset": {"uri": "/d"}}
+    await cluster.apply_cr("RLJob", "rl", spec)
+    ready = await eventually(lambda: cluster.condition("RLJob", "rl", "RolloutReady"), what="TLSNotSupported")
+    assert ready["reason"] == "TLSNotSupported" and "mutual TLS" in ready["message"]
+    assert not any(cluster.exists(*c) for c in JOB_CHILDREN)
