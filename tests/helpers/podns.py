@@ -1,0 +1,68 @@
+"""The inside of a test pod's private mount namespace (issue 18's pod runner starts it under `unshare --mount
+--propagation private`): mounts the pod's volumes at their mountPaths, its /etc/hosts over the machine's, then
+execs the container's command. Nothing it mounts is visible outside the namespace.
+
+A mountPath may not exist on this machine (/etc/glm5/engine, /models/...). Its first missing directory is created
+once on the machine (empty) and covered inside the namespace by a fresh tmpfs; the rest of the path is made in
+that tmpfs. So inside the pod, under such a directory, exactly what the pod mounts exists: a path its pod does
+not mount is absent, as in a container.
+
+    python -m tests.helpers.podns SPEC.json     (SPEC: {"mounts": [...], "hosts": path, "argv": [...],
+                                                 "env": {...}, "cwd": path})
+a mount is {"source": host path, "target": path in the pod, "read_only": bool, "file": bool}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True)
+
+
+def first_missing(target: Path) -> Path | None:
+    """The first component of `target` that does not exist (None when all of it exists)."""
+    path = Path("/")
+    for part in target.parts[1:]:
+        path = path / part
+        if not path.exists():
+            return path
+    return None
+
+
+def apply_mounts(mounts: list[dict[str, Any]]) -> None:
+    covered: set[Path] = set()
+    for m in sorted(mounts, key=lambda m: len(Path(m["target"]).parts)):  # parents before children
+        target = Path(m["target"])
+        missing = first_missing(target)
+        if missing is not None and not any(missing.is_relative_to(c) for c in covered):
+            missing.mkdir(parents=False, exist_ok=True)  # on the machine: an empty mount point
+            _mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", str(missing))
+            covered.add(missing)
+        if m.get("file"):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch(exist_ok=True)
+        else:
+            target.mkdir(parents=True, exist_ok=True)
+        _mount("--bind", m["source"], str(target))
+        if m.get("read_only"):
+            _mount("-o", "remount,bind,ro", str(target))
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    apply_mounts(spec.get("mounts", []))
+    if spec.get("hosts"):
+        _mount("--bind", spec["hosts"], "/etc/hosts")
+    os.chdir(spec.get("cwd") or "/")
+    os.execvpe(spec["argv"][0], spec["argv"], spec.get("env") or dict(os.environ))
+
+
+if __name__ == "__main__":
+    main()
