@@ -184,3 +184,35 @@ def test_sealed_only_router_refuses_plain_and_replayed_requests(sealed_only: dic
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "1 + 1"}])
     assert "sealed" in denied.value.message
     assert client.models.list().data  # listing models reveals no payload
+
+
+def test_a_replay_to_another_router_replica_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    """Router replicas sharing a Redis queue share the replay window: the same envelope twice, to two replicas."""
+    from tests.helpers.procs import start_redis
+
+    (tmp_path / "sm4").mkdir()
+    (tmp_path / "sm4" / "k1").write_text(SM4_KEY.hex())
+    redis, url = start_redis(tmp_path)
+    worker, target = start_worker(tiny_model, *WORKER_FLAGS)
+    flags = ("--sm4-key-dir", str(tmp_path / "sm4"), "--redis-url", url)
+    routers = [start_router([target], *flags) for _ in range(2)]
+    ring = KeyRing({"k1": SM4_KEY})
+    inner = worker_pb2.GenerateRequest(prompt="1 + 1", sampling=sampling(max_new_tokens=2, temperature=0))
+    request = router_pb2.RouterGenerateRequest(request_id="r-shared", sealed=seal_message(ring, inner, "r-shared"))
+
+    async def send(grpc_target: str) -> int:
+        async with grpc.aio.insecure_channel(grpc_target) as ch:
+            return len([r async for r in router_pb2_grpc.RouterStub(ch).Generate(request, timeout=60)])
+
+    try:
+        assert asyncio.run(send(routers[0][1])) > 0
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(send(routers[1][1]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "another router replica" in (err.value.details() or "")
+    finally:
+        for proc, _, _ in routers:
+            stop(proc)
+        stop(worker)
+        redis.kill()
+        redis.wait()

@@ -83,6 +83,10 @@ class SharedQueue:
         await self.redis.ping()
         self._task = asyncio.create_task(self._consume())
 
+    async def claim(self, key: str, seconds: float) -> bool:
+        """True the first time `key` is claimed within `seconds`, across every router sharing this Redis."""
+        return bool(await self.redis.set(f"glm5:sealed:{key}", 1, nx=True, px=max(1, int(seconds * 1000))))
+
     async def close(self, grace: float) -> None:
         if self._task is not None:
             self._task.cancel()

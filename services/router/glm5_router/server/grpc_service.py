@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn
 
 import grpc
@@ -17,6 +17,7 @@ from glm5_router.scheduling.dispatcher import WorkerStatusError
 from glm5_router.scheduling.job import Lane
 
 log = logging.getLogger(__name__)
+Claim = Callable[[str, float], Awaitable[bool]]  # (key, seconds) -> False when it was already claimed
 THINKING: dict[int, Thinking] = {router_pb2.THINKING_MODE_OFF: "off", router_pb2.THINKING_MODE_LIGHT: "light",
                                  router_pb2.THINKING_MODE_DEEP: "deep"}  # fmt: skip
 LANES: dict[int, Lane] = {router_pb2.PRIORITY_SHORT: "short", router_pb2.PRIORITY_LONG: "long"}
@@ -41,11 +42,15 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
 
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, frontend: Frontend, keys: KeyRing | None, require_sealed: bool = False,
-                 replay_window_s: float = 300.0) -> None:  # fmt: skip
+                 replay_window_s: float = 300.0, claim: Claim | None = None) -> None:  # fmt: skip
         self.frontend = frontend
         self.keys = keys
         self.require_sealed = require_sealed
         self.guard = ReplayGuard(replay_window_s)
+        self.replay_window_s = replay_window_s
+        # with router replicas sharing Redis, a sealed request id is claimed there too: a replay to another
+        # replica is refused as well
+        self.claim = claim
 
     async def Generate(
         self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
@@ -55,6 +60,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if self.require_sealed and not sealed:
                 raise InvalidRequestError("sealed", "this router serves only SM4-sealed requests (--require-sealed)")
             base = self._open(request) if sealed else request.request
+            if sealed and self.claim is not None:
+                key = f"{request.sealed.key_id}:{request.request_id}"
+                if not await self.claim(key, self.replay_window_s):
+                    raise EnvelopeError(f"request id {request.request_id!r} was already served (by another router "
+                                        "replica): a replayed envelope is refused")  # fmt: skip
             self.frontend.check_model(request.model)
             remaining = context.time_remaining()
             inp = GenerateInput(
