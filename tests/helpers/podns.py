@@ -26,25 +26,47 @@ def _mount(*args: str) -> None:
     subprocess.run(["mount", *args], check=True)
 
 
-def first_missing(target: Path) -> Path | None:
-    """The first component of `target` that does not exist (None when all of it exists)."""
+REGISTRY = Path("/run/glm5-podns-created")  # mount points this harness created on the machine
+
+
+def created() -> set[str]:
+    return set(REGISTRY.read_text().split("\n")) if REGISTRY.exists() else set()
+
+
+def first_missing(target: Path, made: set[str]) -> Path | None:
+    """The first component of `target` that the machine itself does not have (None when all of it exists). A
+    directory an earlier pod made as a mount point counts as missing: every pod covers it afresh."""
     path = Path("/")
     for part in target.parts[1:]:
         path = path / part
-        if not path.exists():
+        if not path.exists() or str(path) in made:
             return path
     return None
 
 
+def _held(path: str) -> str:
+    """A name for `path` that survives mounts over it: a pod's /tmp volume may cover where its other volumes'
+    directories live, so each source is opened first and mounted through /proc/<pid>/fd."""
+    return f"/proc/{os.getpid()}/fd/{os.open(path, os.O_PATH)}"
+
+
 def apply_mounts(mounts: list[dict[str, Any]]) -> None:
+    mounts = [{**m, "source": _held(m["source"])} for m in mounts]
     covered: set[Path] = set()
+    made = created()
     for m in sorted(mounts, key=lambda m: len(Path(m["target"]).parts)):  # parents before children
         target = Path(m["target"])
-        missing = first_missing(target)
+        missing = first_missing(target, made)
         if missing is not None and not any(missing.is_relative_to(c) for c in covered):
-            missing.mkdir(parents=False, exist_ok=True)  # on the machine: an empty mount point
-            _mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", str(missing))
-            covered.add(missing)
+            is_file = bool(m.get("file")) and missing == target
+            if not missing.exists():  # on the machine: an empty mount point, recorded for the other pods
+                missing.touch() if is_file else missing.mkdir()
+                with REGISTRY.open("a") as f:
+                    f.write(f"{missing}\n")
+                made.add(str(missing))
+            if not is_file:  # a file mount point is simply bound over
+                _mount("-t", "tmpfs", "-o", "mode=755", "tmpfs", str(missing))
+                covered.add(missing)
         if m.get("file"):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.touch(exist_ok=True)
@@ -57,9 +79,10 @@ def apply_mounts(mounts: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    hosts = _held(spec["hosts"]) if spec.get("hosts") else None
     apply_mounts(spec.get("mounts", []))
-    if spec.get("hosts"):
-        _mount("--bind", spec["hosts"], "/etc/hosts")
+    if hosts:
+        _mount("--bind", hosts, "/etc/hosts")
     os.chdir(spec.get("cwd") or "/")
     os.execvpe(spec["argv"][0], spec["argv"], spec.get("env") or dict(os.environ))
 

@@ -49,5 +49,15 @@ def test_a_pod_sees_its_mounts_and_nothing_else(tmp_path: Path) -> None:
         assert (claim / "out").exists()  # the claim is the machine's directory, shared
         assert base.is_dir() and not any(base.iterdir())  # the machine sees an empty mount point only
         assert "tiny-worker" not in Path("/etc/hosts").read_text()
+        # a second pod mounting only elsewhere under the same directory: the first pod's paths do not exist for it
+        other = {"mounts": [{"source": str(claim), "target": f"{base}/var/data"},
+                            {"source": str(hosts), "target": f"{base}/dev/termination-log", "file": True}],
+                 "argv": ["sh", "-c", f"test ! -e {base}/etc && test -f {base}/dev/termination-log && echo clean"],
+                 "env": {"PATH": os.environ["PATH"]}}  # fmt: skip
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        proc = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-m",
+                               "tests.helpers.podns", str(tmp_path / "other.json")],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+        assert proc.returncode == 0 and proc.stdout.strip() == "clean", proc.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,309 @@
+"""A kubelet and the two workload controllers for tests (issue 18): runs the Pods the operator's StatefulSets and
+Deployments would get, as processes on this machine, against the kmock API emulator.
+
+Each pod gets its own 127.0.0.x address and its own mount namespace (tests/helpers/podns.py): its volumes at
+their mountPaths, Service names in its /etc/hosts. In a real pod 0.0.0.0 means the pod's own interfaces; here
+pods share the machine's network, so a container is told to listen on its pod address instead (`--host`
+appended to its args, which win over its config file). Readiness comes from the pod's probe (gRPC health or
+HTTP); pod and workload status are written back through the API, where the operator reads them; a container
+that exits is started again (restartPolicy Always) and its termination message is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from glm5_operator.kube import Kube, Ref
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.helpers.podspec import Objects, PodError, deployment_pods, launch, statefulset_pods, write_volumes
+
+log = logging.getLogger(__name__)
+ROOT = Path(__file__).resolve().parents[2]
+SERVING_COMMANDS = ("worker", "router", "tito-gateway")  # the programs that listen (and take --host)
+
+
+@dataclass
+class RunningPod:
+    manifest: dict[str, Any]
+    ip: str
+    dir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+    ready: bool = False
+    message: str = ""  # why it is not running (an error of the runner's, shown as the pod's status)
+    terminated: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["metadata"]["name"])
+
+
+class PodRunner:
+    def __init__(self, emulator: Any, kube: Kube, namespace: str, workdir: Path) -> None:
+        self.emulator, self.kube, self.ns, self.workdir = emulator, kube, namespace, workdir
+        self.pods: dict[str, RunningPod] = {}
+        self._next_ip = 2
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self, interval: float = 0.3) -> None:
+        async def loop() -> None:
+            while True:
+                try:
+                    await self.sync()
+                except Exception:
+                    log.exception("pod runner pass failed")
+                await asyncio.sleep(interval)
+
+        self._task = asyncio.create_task(loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for pod in self.pods.values():
+            self._kill(pod)
+
+    def address(self, service: str) -> str:
+        """Where a Service's traffic goes: its first ready pod (no kube-proxy here)."""
+        ips = self._service_ips().get(service, [])
+        if not ips:
+            raise LookupError(f"service {service} has no ready pod")
+        return ips[0]
+
+    # -- one pass -------------------------------------------------------------------------------------
+
+    def _objects(self, resource: str) -> list[dict[str, Any]]:
+        return [dict(o.raw) for (res, ns, _), o in list(self.emulator.objects.items())
+                if res == resource and ns == self.ns and not o.deleted]  # fmt: skip
+
+    async def sync(self) -> None:
+        wanted: dict[str, dict[str, Any]] = {}
+        for sts in self._objects("apps/v1/statefulsets"):
+            wanted |= {p["metadata"]["name"]: p for p in statefulset_pods(sts)}
+        for dep in self._objects("apps/v1/deployments"):
+            wanted |= {p["metadata"]["name"]: p for p in deployment_pods(dep)}
+        for name in set(self.pods) - set(wanted):
+            self._kill(self.pods.pop(name))
+            await asyncio.to_thread(self.kube.delete, Ref("v1", "Pod", self.ns, name))
+        for name, manifest in wanted.items():
+            pod = self.pods.get(name)
+            if pod is None or pod.manifest["spec"] != manifest["spec"] or _hash(pod) != _hash_of(manifest):
+                if pod is not None:
+                    self._kill(pod)
+                pod = self.pods[name] = RunningPod(manifest, f"127.0.0.{self._next_ip}", self.workdir / name)
+                self._next_ip += 1
+                await asyncio.to_thread(self._create_pod_object, manifest)
+            self._write_hosts(pod)
+            if not pod.procs and not pod.message:
+                self._start(pod)
+            self._restart_exited(pod)
+            pod.ready = await self._probe(pod)
+            await asyncio.to_thread(self._write_pod_status, pod)
+        await asyncio.to_thread(self._write_workload_status)
+
+    # -- pods -----------------------------------------------------------------------------------------
+
+    def _create_pod_object(self, manifest: dict[str, Any]) -> None:
+        with contextlib.suppress(Exception):
+            self.kube.delete(Ref("v1", "Pod", self.ns, manifest["metadata"]["name"]))
+        self.kube.create(manifest)
+
+    def _start(self, pod: RunningPod) -> None:
+        spec = pod.manifest["spec"]
+        for container in spec["containers"]:
+            requests = (container.get("resources") or {}).get("limits") or {}
+            wanted = [r for r in requests if "/" in r and not r.startswith(("cpu", "memory"))]
+            if wanted:
+                pod.message = f"0/1 nodes are available: insufficient {', '.join(wanted)}"
+                return
+        objects = Objects(
+            config_maps={c["metadata"]["name"]: c for c in self._objects("v1/configmaps")},
+            secrets={s["metadata"]["name"]: s for s in self._objects("v1/secrets")},
+        )
+        try:
+            volumes = write_volumes(pod.manifest, objects, pod.dir, self.workdir / "claims")
+            for container in spec["containers"]:
+                self._launch(pod, container, launch(pod.manifest, container, objects, volumes, pod.ip))
+        except PodError as exc:
+            pod.message = str(exc)
+
+    def _launch(self, pod: RunningPod, container: dict[str, Any], run: Any) -> None:
+        name = container["name"]
+        args = run.argv
+        if len(args) > 3 and args[3] in SERVING_COMMANDS:
+            args = [*args, "--host", pod.ip]  # this pod's address stands for its network namespace
+        message_path = container.get("terminationMessagePath")
+        mounts = list(run.mounts)
+        if message_path:
+            message_file = pod.dir / f"{name}.termination-log"
+            message_file.write_text("")
+            mounts.append({"source": str(message_file), "target": message_path, "file": True})
+        env = {**_base_env(), **run.env}
+        spec_file = pod.dir / f"{name}.json"
+        spec_file.write_text(json.dumps({"mounts": mounts, "hosts": str(pod.dir / "hosts"), "argv": args,
+                                         "env": env, "cwd": "/tmp"}))  # fmt: skip
+        out = open(pod.dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
+        pod.procs[name] = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", sys.executable, "-m", "tests.helpers.podns",
+             str(spec_file)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env},
+        )  # fmt: skip
+
+    def _restart_exited(self, pod: RunningPod) -> None:
+        for container in pod.manifest["spec"]["containers"]:
+            proc = pod.procs.get(container["name"])
+            if proc is None or proc.poll() is None:
+                continue
+            message_file = pod.dir / f"{container['name']}.termination-log"
+            message = message_file.read_text() if message_file.exists() else ""
+            reason = "Completed" if proc.returncode == 0 else "Error"
+            pod.terminated[container["name"]] = {"exitCode": proc.returncode, "message": message, "reason": reason}
+            pod.restarts[container["name"]] = pod.restarts.get(container["name"], 0) + 1
+            del pod.procs[container["name"]]
+            objects = Objects(
+                config_maps={c["metadata"]["name"]: c for c in self._objects("v1/configmaps")},
+                secrets={s["metadata"]["name"]: s for s in self._objects("v1/secrets")},
+            )
+            volumes = write_volumes(pod.manifest, objects, pod.dir, self.workdir / "claims")
+            self._launch(pod, container, launch(pod.manifest, container, objects, volumes, pod.ip))
+
+    async def _probe(self, pod: RunningPod) -> bool:
+        if not pod.procs:
+            return False
+        for container in pod.manifest["spec"]["containers"]:
+            probe = container.get("readinessProbe")
+            if probe is None:
+                continue
+            if "grpc" in probe:
+                try:
+                    async with grpc.aio.insecure_channel(f"{pod.ip}:{probe['grpc']['port']}") as ch:
+                        reply = await health_pb2_grpc.HealthStub(ch).Check(
+                            health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", "")), timeout=1
+                        )
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                        return False
+                except grpc.aio.AioRpcError:
+                    return False
+            elif "httpGet" in probe:
+                url = f"http://{pod.ip}:{probe['httpGet']['port']}{probe['httpGet'].get('path', '/')}"
+                try:
+                    await asyncio.to_thread(urllib.request.urlopen, url, None, 1)
+                except OSError:
+                    return False
+        return True
+
+    def _write_pod_status(self, pod: RunningPod) -> None:
+        statuses = []
+        for c in pod.manifest["spec"]["containers"]:
+            running = c["name"] in pod.procs
+            state = {"running": {}} if running else {"waiting": {"reason": "Pending"}}
+            restarts = pod.restarts.get(c["name"], 0)
+            status: dict[str, Any] = {"name": c["name"], "ready": pod.ready and running, "state": state,
+                                      "restartCount": restarts, "image": c.get("image", "")}  # fmt: skip
+            if c["name"] in pod.terminated:
+                status["lastState"] = {"terminated": pod.terminated[c["name"]]}
+            statuses.append(status)
+        body = {"status": {
+            "phase": "Running" if pod.procs else "Pending", "podIP": pod.ip,
+            "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False",
+                            **({"message": pod.message} if pod.message else {})}],
+            "containerStatuses": statuses,
+        }}  # fmt: skip
+        with contextlib.suppress(Exception):
+            self.kube.patch(Ref("v1", "Pod", self.ns, pod.name), body, "status")
+
+    def _write_workload_status(self) -> None:
+        for kind, resource, pods_of in (("StatefulSet", "apps/v1/statefulsets", statefulset_pods),
+                                        ("Deployment", "apps/v1/deployments", deployment_pods)):  # fmt: skip
+            for obj in self._objects(resource):
+                names = [p["metadata"]["name"] for p in pods_of(obj)]
+                ready = sum(1 for n in names if n in self.pods and self.pods[n].ready)
+                status = {"replicas": len(names), "readyReplicas": ready, "availableReplicas": ready,
+                          "updatedReplicas": len(names), "currentReplicas": len(names),
+                          "observedGeneration": obj["metadata"].get("generation", 1)}  # fmt: skip
+                if all((obj.get("status") or {}).get(k) == v for k, v in status.items()):
+                    continue
+                with contextlib.suppress(Exception):
+                    self.kube.patch(Ref("apps/v1", kind, self.ns, obj["metadata"]["name"]), {"status": status},
+                                    "status")  # fmt: skip
+
+    # -- names ----------------------------------------------------------------------------------------
+
+    def _service_ips(self) -> dict[str, list[str]]:
+        """Service name (every spelling) -> ready pod addresses; headless per-pod names too."""
+        out: dict[str, list[str]] = {}
+        for svc in self._objects("v1/services"):
+            name, selector = svc["metadata"]["name"], (svc["spec"].get("selector") or {})
+            headless = svc["spec"].get("clusterIP") == "None"
+            publish = bool(svc["spec"].get("publishNotReadyAddresses"))
+            ips = []
+            for pod in self.pods.values():
+                labels = pod.manifest["metadata"]["labels"]
+                if not selector or any(labels.get(k) != v for k, v in selector.items()):
+                    continue
+                if pod.ready or publish:
+                    ips.append(pod.ip)
+                if headless and pod.manifest["spec"].get("subdomain") == name:
+                    for spelling in _spellings(f"{pod.manifest['spec']['hostname']}.{name}", self.ns):
+                        out.setdefault(spelling, []).append(pod.ip)
+            for spelling in _spellings(name, self.ns):
+                out.setdefault(spelling, []).extend(ips)
+        return out
+
+    def _write_hosts(self, pod: RunningPod) -> None:
+        pod.dir.mkdir(parents=True, exist_ok=True)
+        lines = ["127.0.0.1 localhost", f"{pod.ip} {pod.name}"]
+        for name, ips in sorted(self._service_ips().items()):
+            lines += [f"{ip} {name}" for ip in ips]
+        text = "\n".join(lines) + "\n"
+        hosts = pod.dir / "hosts"
+        if not hosts.exists() or hosts.read_text() != text:
+            with open(hosts, "a+") as f:  # in place: the pod's /etc/hosts is a bind mount of this inode
+                f.seek(0)
+                f.truncate()
+                f.write(text)
+
+    def _kill(self, pod: RunningPod) -> None:
+        for proc in pod.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for proc in pod.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        pod.procs.clear()
+
+
+def _spellings(name: str, ns: str) -> list[str]:
+    return [name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local"]
+
+
+def _base_env() -> dict[str, str]:
+    keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GLM5_HOME")
+    return {k: os.environ[k] for k in keep if k in os.environ} | {"PYTHONPATH": str(ROOT)}
+
+
+def _hash(pod: RunningPod) -> str:
+    return _hash_of(pod.manifest)
+
+
+def _hash_of(manifest: dict[str, Any]) -> str:
+    return str((manifest["metadata"].get("annotations") or {}).get("glm5.ai/config-hash", ""))
