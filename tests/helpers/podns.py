@@ -8,7 +8,7 @@ that tmpfs. So inside the pod, under such a directory, exactly what the pod moun
 not mount is absent, as in a container.
 
     python -m tests.helpers.podns SPEC.json     (SPEC: {"mounts": [...], "hosts": path, "argv": [...],
-                                                 "env": {...}, "cwd": path})
+                                                 "env": {...}, "cwd": path, "keep": [paths]})
 a mount is {"source": host path, "target": path in the pod, "read_only": bool, "file": bool}.
 """
 
@@ -80,7 +80,14 @@ def apply_mounts(mounts: list[dict[str, Any]]) -> None:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     hosts = _held(spec["hosts"]) if spec.get("hosts") else None
+    keep = {path: _held(path) for path in spec.get("keep", [])}
     apply_mounts(spec.get("mounts", []))
+    # this checkout (and its virtualenv) stays where it is: the pod's program runs from it, and a volume at /tmp
+    # would otherwise hide a checkout under /tmp
+    for path, held in keep.items():
+        if any(Path(path).is_relative_to(m["target"]) for m in spec.get("mounts", [])):
+            Path(path).mkdir(parents=True, exist_ok=True)
+            _mount("--bind", held, path)
     if hosts:
         _mount("--bind", hosts, "/etc/hosts")
     os.chdir(spec.get("cwd") or "/")

@@ -157,7 +157,7 @@ class PodRunner:
         env = {**_base_env(), **run.env}
         spec_file = pod.dir / f"{name}.json"
         spec_file.write_text(json.dumps({"mounts": mounts, "hosts": str(pod.dir / "hosts"), "argv": args,
-                                         "env": env, "cwd": "/tmp"}))  # fmt: skip
+                                         "env": env, "cwd": "/tmp", "keep": [str(ROOT)]}))  # fmt: skip
         out = open(pod.dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
         pod.procs[name] = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", sys.executable, "-m", "tests.helpers.podns",
