@@ -23,7 +23,9 @@ from typing import Any
 
 
 def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True)
+    # --no-canonicalize: mount(8) would otherwise resolve /proc/<pid>/fd/N to the path it names, which inside
+    # the namespace may be another directory (or a directory just made at that path)
+    subprocess.run(["mount", "--no-canonicalize", *args], check=True)
 
 
 REGISTRY = Path("/run/glm5-podns-created")  # mount points this harness created on the machine
