@@ -20,9 +20,9 @@ from glm5.client import sampling
 from glm5.model.presets import SHIPPED_MODEL
 from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from glm5_operator.config import OperatorConfig
-from glm5_operator.kube import Kube, Ref
+from glm5_operator.kube import Kube
 
-from tests.helpers.kube import OperatorThread, emulated_cluster
+from tests.helpers.kube import OperatorThread, emulated_cluster, kubectl
 from tests.helpers.podrunner import PodRunner
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "glm5"
@@ -42,9 +42,8 @@ async def _until(check, timeout: float, what: str):  # type: ignore[no-untyped-d
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def _scale(kube: Kube, replicas: int) -> None:
-    ref = Ref("glm5.ai/v1alpha1", "GLM5Deployment", "default", "tiny")
-    await asyncio.to_thread(kube.patch, ref, {"spec": {"workers": {"replicas": replicas}}})
+async def _scale(server: str, replicas: int) -> None:
+    await asyncio.to_thread(kubectl, server, "scale", "glm5deployment/tiny", f"--replicas={replicas}")
 
 
 def _healthy_workers(router: str) -> list[str]:
@@ -66,8 +65,8 @@ async def _workers_used(router: str, n: int) -> set[str]:
 
 
 async def test_cpu_example_becomes_ready_answers_and_scales(tmp_path: Path) -> None:
-    doc = yaml.safe_load((CHART / "examples" / "cpu.yaml").read_text())
-    doc["metadata"] |= {"namespace": "default", "uid": "uid-tiny"}
+    example = CHART / "examples" / "cpu.yaml"
+    doc = yaml.safe_load(example.read_text())
     shutil.copytree(SHIPPED_MODEL, tmp_path / "claims" / doc["spec"]["model"]["pvcName"])  # the claim's content
     async with emulated_cluster() as emulator:
         server = str(emulator.url).rstrip("/")
@@ -75,7 +74,7 @@ async def test_cpu_example_becomes_ready_answers_and_scales(tmp_path: Path) -> N
         operator = await OperatorThread.start(OperatorConfig(retry_delay_s=0.3), server)
         runner = PodRunner(emulator, kube, "default", tmp_path)
         try:
-            await asyncio.to_thread(kube.create, doc)
+            await asyncio.to_thread(kubectl, server, "apply", "-f", str(example))
             await runner.start()
 
             def ready() -> bool:
@@ -93,12 +92,12 @@ async def test_cpu_example_becomes_ready_answers_and_scales(tmp_path: Path) -> N
             text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
             assert "42" in text
 
-            # `kubectl scale` to two replicas: a second worker pod, and the router sends to it too
+            # `kubectl scale` (the scale subresource) to two replicas: a second worker pod; the router uses it too
             router = runner.address("tiny-router")
-            await _scale(kube, 2)
+            await _scale(server, 2)
             await _until(lambda: len(_healthy_workers(router)) == 2, 180, "the router to see two workers")
             assert len(await _workers_used(router, 8)) == 2
-            await _scale(kube, 1)  # and back: the second pod goes, the router drops it
+            await _scale(server, 1)  # and back: the second pod goes, the router drops it
             await _until(lambda: len(_healthy_workers(router)) == 1 and "tiny-worker-1" not in runner.pods, 120,
                          "one worker again")  # fmt: skip
         finally:

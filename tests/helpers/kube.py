@@ -1,7 +1,7 @@
 """A Kubernetes API for tests and benchmarks: the kmock emulator (a real HTTP server with watch streams),
 plus what kopf needs from an API server that kmock leaves out, and the operator running in its own thread.
 
-kmock quirks handled here: CRDs are declared with ResourceInfo; resourceVersion and generation are not
+kmock quirks handled here: CRDs are declared with ResourceInfo; resourceVersion, generation and uid are not
 maintained by kmock (VersionedEmulator adds them); label selectors are ignored by kmock (the operator
 filters too); there is no garbage collector. kopf runs in a thread with its own event loop, as kopf's
 embedding docs show: on exit it cancels every task it did not start in its loop, which would otherwise
@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import itertools
+import os
+import subprocess
 import threading
+import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import kmock
 import kopf
@@ -34,6 +40,14 @@ CRDS = {
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status"},
     ),
 }  # fmt: skip
+# The CRDs' scale subresources (charts/glm5/crds): plural -> (specReplicasPath, statusReplicasPath, labelSelectorPath)
+SCALE = {"glm5deployments": (("spec", "workers", "replicas"), ("status", "readyReplicas"), ("status", "selector"))}
+
+
+def _dig(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = (obj or {}).get(key)
+    return obj
 
 
 @attrs.define(kw_only=True)
@@ -52,12 +66,17 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
     async def _handle(self, request: kmock.Request) -> Any:
         self.served += 1
+        if request.subresource == "scale" and request.resource is not None and request.resource.plural in SCALE:
+            return await self._scale(request)
         if self.request_log is not None and len(self._requests) > 2 * self.request_log:
             del self._requests[: -self.request_log]
         data = request.data
         if request.resource is not None and isinstance(data, dict):
             if request.action == kmock.action.CREATE:
-                data.setdefault("metadata", {}).setdefault("generation", 1)
+                meta = data.setdefault("metadata", {})
+                meta.setdefault("generation", 1)
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
             if request.action in (kmock.action.CREATE, kmock.action.UPDATE):
                 meta = data.setdefault("metadata", {})
                 meta["resourceVersion"] = str(next(self._versions))
@@ -66,6 +85,56 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                         live = self.objects[request.resource, request.namespace, request.name]
                         meta["generation"] = int(live.get("metadata", {}).get("generation", 1)) + 1
         return await super()._handle(request)
+
+    def _live(self, key: tuple[Any, str | None, str | None]) -> Any:
+        """The stored object, or None (kmock's ObjectsArray has `in` and `[]` but no `get`)."""
+        return self._objects[key] if key in self._objects else None  # noqa: SIM401
+
+    async def _scale(self, request: kmock.Request) -> aiohttp.web.Response:
+        """The scale subresource as the API server serves it for a CRD (what `kubectl scale` and autoscalers use):
+        an autoscaling/v1 Scale read from, and written to, the paths the CRD declares."""
+        assert request.resource is not None and request.resource.plural is not None
+        spec_path, status_path, selector_path = SCALE[request.resource.plural]
+        key = (request.resource, request.namespace, request.name)
+        if request.action == kmock.action.UPDATE:
+            replicas = _dig(request.data, ("spec", "replicas"))
+            if not isinstance(replicas, int) or replicas < 0:
+                return aiohttp.web.json_response(
+                    {
+                        "kind": "Status",
+                        "apiVersion": "v1",
+                        "status": "Failure",
+                        "reason": "Invalid",
+                        "code": 422,
+                        "message": "spec.replicas: a non-negative integer",
+                    },
+                    status=422,
+                )
+            patch: dict[str, Any] = {spec_path[-1]: replicas}
+            for part in reversed(spec_path[:-1]):
+                patch = {part: patch}
+            async with self._lock:  # as kmock applies a patch, plus the version and generation the server bumps
+                live = self._live(key)
+                if live is not None and not live.deleted:
+                    generation = int(live.get("metadata", {}).get("generation", 1)) + 1
+                    patch["metadata"] = {"resourceVersion": str(next(self._versions)), "generation": generation}
+                    live.patch(patch)
+                    await self._buses[request.resource].put({"type": "MODIFIED", "object": live.raw})
+        live = self._live(key)
+        if live is None or live.deleted:
+            return aiohttp.web.json_response(
+                {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404},
+                status=404,
+            )
+        obj = live.raw
+        meta = obj["metadata"]
+        return aiohttp.web.json_response({
+            "apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {"name": meta["name"], "namespace": meta.get("namespace"),
+                         "resourceVersion": meta.get("resourceVersion")},
+            "spec": {"replicas": _dig(obj, spec_path)},
+            "status": {"replicas": _dig(obj, status_path) or 0, "selector": _dig(obj, selector_path) or ""},
+        })  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -76,6 +145,20 @@ async def emulated_cluster(request_log: int | None = None) -> AsyncIterator[Vers
         for key, info in CRDS.items():
             emulator.resources[key] = info
         yield emulator
+
+
+KUBECTL = Path(os.environ.get("GLM5_KUBECTL", Path(__file__).resolve().parents[2] / ".cache" / "tools" / "kubectl"))
+
+
+def kubectl(server: str, *args: str, namespace: str = "default") -> str:
+    """A real kubectl (scripts/get-helm) against the emulator; its stdout, or AssertionError with its stderr.
+    Client-side validation is off: it needs the server's OpenAPI documents, which kmock does not serve."""
+    assert KUBECTL.exists(), f"no kubectl binary at {KUBECTL}: run scripts/get-helm (scripts/bootstrap does)"
+    extra = ["--validate=false"] if args and args[0] in ("apply", "create") else []
+    argv = [str(KUBECTL), "--server", server, "--namespace", namespace, *args[:1], *extra, *args[1:]]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr.strip()}"
+    return done.stdout
 
 
 class OperatorThread:
