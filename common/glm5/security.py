@@ -249,7 +249,7 @@ NO_ADMIN = AdminPolicy()
 
 
 class AdminInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Applies an AdminPolicy to the named unary methods (full names, e.g. /glm5.v1.Worker/UpdateWeights)."""
+    """Applies an AdminPolicy to the named methods answering once (full names, e.g. /glm5.v1.Worker/UpdateWeights)."""
 
     def __init__(self, methods: Iterable[str], policy: AdminPolicy) -> None:
         self.methods = frozenset(methods)
@@ -265,8 +265,9 @@ class AdminInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return _rejecting(handler, grpc.StatusCode.PERMISSION_DENIED,
                               f"{name} is disabled on this server: start it with --admin-token-file or "
                               "--tls-ca and --admin-identity")  # fmt: skip
-        assert not handler.request_streaming and not handler.response_streaming, "admin RPCs are unary"
-        inner, policy = handler.unary_unary, self.policy
+        assert not handler.response_streaming, "admin RPCs answer once"
+        streaming = handler.request_streaming  # PushWeights: checked before the first message is read
+        inner, policy = (handler.stream_unary if streaming else handler.unary_unary), self.policy
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if not policy.allows(details, context.auth_context()):
@@ -274,8 +275,9 @@ class AdminInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                                     f"{name}: the caller is not an administrator of this server")  # fmt: skip
             return await inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(guarded, request_deserializer=handler.request_deserializer,
-                                                   response_serializer=handler.response_serializer)  # fmt: skip
+        make = grpc.stream_unary_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        return make(guarded, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)  # fmt: skip
 
 
 def add_admin_arguments(p: argparse.ArgumentParser) -> None:

@@ -100,3 +100,48 @@ def test_update_weights_in_place_under_load(tiny_model: Path, tmp_path: Path, ex
     finally:
         assert stop(proc) == 0
         stop(ref_proc)
+
+
+def test_push_weights_streams_a_checkpoint_the_worker_cannot_see(tiny_model: Path, tmp_path: Path) -> None:
+    """PushWeights (the operator's transport): the checkpoint lives where the worker cannot read it; its files are
+    streamed, checked, swapped in, and the staged copy is gone afterwards. Refused pushes change nothing."""
+    from glm5_trainer.versions import sync_workers
+
+    new_ckpt = init_model(tmp_path / "trainer" / "v5", preset="tiny", seed=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model / name, new_ckpt / name)
+    root = tmp_path / "worker-root"  # the worker's own (empty) weights root: nothing shared with the trainer
+    root.mkdir()
+    proc, target = start_worker(tiny_model, *FLAGS, *admin_flags(root))
+
+    async def go() -> None:
+        before, _ = await _greedy(target)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the path transport cannot reach it
+            await sync_workers([target], 5, new_ckpt, admin_token=ADMIN_TOKEN, transport="path")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # nor can a caller without the admin token
+            await sync_workers([target], 5, new_ckpt, transport="stream")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        async with grpc.aio.insecure_channel(target) as ch:  # a damaged stream
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            damaged = worker_pb2.PushedFile(name="config.json", size=2, sha256="0" * 64)
+            header = worker_pb2.PushWeightsHeader(version=5, files=[damaged])
+            chunks = [worker_pb2.PushWeightsChunk(header=header), worker_pb2.PushWeightsChunk(data=b"{}")]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.PushWeights(iter(chunks), metadata=admin_metadata(ADMIN_TOKEN))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "SHA-256" in (err.value.details() or "")
+            assert (await stub.GetModelInfo(worker_pb2.GetModelInfoRequest())).weight_version == 0
+
+        seconds = await sync_workers([target], 5, new_ckpt, admin_token=ADMIN_TOKEN, transport="stream")
+        assert set(seconds) == {target}
+        after, versions = await _greedy(target)
+        assert versions == {5} and after != before
+        assert not any((root / ".pushed").iterdir())  # the staged copy was deleted once loaded
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # versions still only go up
+            await sync_workers([target], 5, new_ckpt, admin_token=ADMIN_TOKEN, transport="stream")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    try:
+        asyncio.run(go())
+    finally:
+        assert stop(proc) == 0

@@ -228,6 +228,32 @@ class UpdateWeightsRequest(_message.Message):
     location: str
     def __init__(self, version: _Optional[int] = ..., location: _Optional[str] = ...) -> None: ...
 
+class PushedFile(_message.Message):
+    __slots__ = ("name", "size", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class PushWeightsHeader(_message.Message):
+    __slots__ = ("version", "files")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    files: _containers.RepeatedCompositeFieldContainer[PushedFile]
+    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[PushedFile, _Mapping]]] = ...) -> None: ...
+
+class PushWeightsChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushWeightsHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushWeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "load_seconds", "swap_seconds")
     VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -75,6 +75,11 @@ class WorkerStub:
                 request_serializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.PushWeights = channel.stream_unary(
+                '/glm5.v1.Worker/PushWeights',
+                request_serializer=glm5_dot_v1_dot_worker__pb2.PushWeightsChunk.SerializeToString,
+                response_deserializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -144,6 +149,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushWeights(self, request_iterator, context):
+        """The same update with the checkpoint's files streamed in (no volume shared with the trainer): a header, then
+        the files' bytes in the header's order. The worker stages them under its weights root, checks every size and
+        SHA-256, swaps as UpdateWeights does, and deletes the staged copy.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +199,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'PushWeights': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=glm5_dot_v1_dot_worker__pb2.PushWeightsChunk.FromString,
                     response_serializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
@@ -404,6 +423,33 @@ class Worker:
             target,
             '/glm5.v1.Worker/UpdateWeights',
             glm5_dot_v1_dot_worker__pb2.UpdateWeightsRequest.SerializeToString,
+            glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/glm5.v1.Worker/PushWeights',
+            glm5_dot_v1_dot_worker__pb2.PushWeightsChunk.SerializeToString,
             glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

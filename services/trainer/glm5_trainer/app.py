@@ -14,6 +14,7 @@ from glm5.security import add_tls_arguments, admin_token_from_args, tls_from_arg
 
 from glm5_trainer.loop import MODES, Result, RLConfig, RLRun
 from glm5_trainer.loss import PRESETS, TrustRegion
+from glm5_trainer.versions import TRANSPORTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("weight pushes (docs/security.md)")
     g.add_argument("--admin-token-file", help="file holding the engines' admin token, sent with UpdateWeights")
     g.add_argument("--admin-token-env", help="environment variable holding that token")
+    g.add_argument("--weights-transport", choices=TRANSPORTS, default=d.weights_transport,
+                   help="path: the engines read each version from --checkpoint-dir (a volume they share); stream: "
+                   "its files are sent to them over gRPC (PushWeights; what the operator uses)")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> RLConfig:
@@ -85,7 +89,7 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             eval_size=a.eval_size, seed=a.seed, split_seed=a.split_seed, redis_url=a.redis_url, job=a.job,
             progress=not a.no_progress,
             completion_file=Path(a.completion_file) if a.completion_file else None, tls=tls_from_args(a),
-            admin_token=admin_token_from_args(a),
+            admin_token=admin_token_from_args(a), weights_transport=a.weights_transport,
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

@@ -40,7 +40,7 @@ from glm5_trainer.environment import Problem
 from glm5_trainer.loss import TrustRegion
 from glm5_trainer.policy import Policy, StepStats
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
-from glm5_trainer.versions import WeightVersions, steps_recorded, sync_workers
+from glm5_trainer.versions import TRANSPORTS, WeightVersions, steps_recorded, sync_workers
 
 log = logging.getLogger(__name__)
 MODES = ("async", "sync")
@@ -83,6 +83,7 @@ class RLConfig:
     completion_file: Path | None = None  # written when the job has taken its `steps`
     tls: TlsConfig = NO_TLS  # to the gateway and the engines (mutual TLS when it has a CA)
     admin_token: Secret | None = None  # sent with UpdateWeights (the engines' --admin-token-*)
+    weights_transport: str = "path"  # versions.TRANSPORTS: the engines read out/ (shared), or get it streamed
 
     def __post_init__(self) -> None:
         problems = []
@@ -90,6 +91,8 @@ class RLConfig:
             problems.append("lr_schedule must be constant or cosine")
         if self.mode not in MODES:
             problems.append(f"mode must be one of {MODES}")
+        if self.weights_transport not in TRANSPORTS:
+            problems.append(f"weights_transport must be one of {TRANSPORTS}")
         if not self.engines and not self.engine_dns:
             problems.append("rollout engines are needed (engines or engine_dns) to sync weights and evaluate")
         for name in ("group_size", "groups_per_step", "max_inflight_groups", "max_new_tokens"):
@@ -302,7 +305,17 @@ class RLRun:
         version = self.versions.synced
         engines = list(await self.live_engines())
         results = await asyncio.gather(
-            *(sync_workers([e], version, path, tls=self.c.tls, admin_token=self.c.admin_token) for e in engines),
+            *(
+                sync_workers(
+                    [e],
+                    version,
+                    path,
+                    tls=self.c.tls,
+                    admin_token=self.c.admin_token,
+                    transport=self.c.weights_transport,
+                )
+                for e in engines
+            ),
             return_exceptions=True,
         )
         times = []

@@ -1,16 +1,17 @@
 """Weight versions: actor_latest after every optimizer step, actor_synced published as a versioned safetensors
 checkpoint every K steps and at least every sync interval (<= 1800 s), actor_ema kept alongside. Serving and
-rollouts use actor_synced only: `sync_workers` pushes a published version to the workers (UpdateWeights)
-and reports how long it took.
+rollouts use actor_synced only: `sync_workers` pushes a published version to the workers (UpdateWeights naming
+a shared folder, or PushWeights streaming its files) and reports how long it took.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,16 +93,48 @@ def steps_recorded(checkpoint: Path) -> int | None:
     return steps if isinstance(steps, int) and steps >= 0 else None
 
 
+TRANSPORTS = ("path", "stream")
+PUSH_CHUNK_BYTES = 4 << 20  # the worker's per-message limit (glm5_worker.server.push.MAX_CHUNK_BYTES)
+
+
 async def sync_workers(workers: list[str], version: int, location: Path, timeout: float = 600.0,
-                       tls: TlsConfig = NO_TLS, admin_token: Secret | None = None) -> dict[str, float]:  # fmt: skip
-    """UpdateWeights on every worker in parallel; returns each worker's wall seconds (raises on a failure)."""
+                       tls: TlsConfig = NO_TLS, admin_token: Secret | None = None,
+                       transport: str = "path") -> dict[str, float]:  # fmt: skip
+    """Pushes a published version to every worker in parallel; returns each worker's wall seconds (raises on a
+    failure). transport "path": UpdateWeights names the folder, which the workers read from a volume they share
+    with the trainer; "stream": PushWeights sends the folder's files over gRPC (nothing shared)."""
+    files = await asyncio.to_thread(_manifest, location) if transport == "stream" else []
 
     async def one(address: str) -> tuple[str, float]:
         start = time.perf_counter()
+        meta = admin_metadata(admin_token)
         async with secure_channel(address, tls) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
-            await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)),
-                                     timeout=timeout, metadata=admin_metadata(admin_token))  # fmt: skip
+            if transport == "stream":
+                await stub.PushWeights(_chunks(location, version, files), timeout=timeout, metadata=meta)
+            else:
+                await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)),
+                                         timeout=timeout, metadata=meta)  # fmt: skip
         return address, time.perf_counter() - start
 
     return dict(await asyncio.gather(*(one(w) for w in workers)))
+
+
+def _manifest(folder: Path) -> list[worker_pb2.PushedFile]:
+    out = []
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(PUSH_CHUNK_BYTES):
+                digest.update(block)
+        out.append(worker_pb2.PushedFile(name=path.name, size=path.stat().st_size, sha256=digest.hexdigest()))
+    return out
+
+
+async def _chunks(folder: Path, version: int, files: list[worker_pb2.PushedFile]
+                  ) -> AsyncIterator[worker_pb2.PushWeightsChunk]:  # fmt: skip
+    yield worker_pb2.PushWeightsChunk(header=worker_pb2.PushWeightsHeader(version=version, files=files))
+    for f in files:
+        with open(folder / f.name, "rb") as handle:
+            while block := await asyncio.to_thread(handle.read, PUSH_CHUNK_BYTES):
+                yield worker_pb2.PushWeightsChunk(data=block)

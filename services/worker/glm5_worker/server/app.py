@@ -21,11 +21,15 @@ from grpc_health.v1._async import HealthServicer
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.async_engine import AsyncEngine
 from glm5_worker.engine.engine import Engine
+from glm5_worker.server.push import clear_staging
 from glm5_worker.server.service import WorkerService
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-ADMIN_METHODS = (f"/{SERVICE_NAME}/UpdateWeights",)  # the RPCs that change what the worker serves
+ADMIN_METHODS = (
+    f"/{SERVICE_NAME}/UpdateWeights",
+    f"/{SERVICE_NAME}/PushWeights",
+)  # the RPCs that change what the worker serves
 LOST_LINGER_S = 2.0
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -86,6 +90,7 @@ async def start_worker(
 
     engine = AsyncEngine(await asyncio.to_thread(Engine, config), on_fatal)
     server = new_server([RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
+    clear_staging(security.weights_root)
     service = WorkerService(engine, security.weights_root)
     await service.prime()
 

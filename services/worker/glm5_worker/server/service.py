@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
 from glm5_worker.engine.structured import OutputFormat
 from glm5_worker.engine.weights import read_checkpoint
 from glm5_worker.parallel.replica import ReplicaFailure
+from glm5_worker.server.push import receive_push
 
 log = logging.getLogger(__name__)
 MAX_FORMAT_CHARS = 64 << 10  # the router's limit too (docs/security.md)
@@ -113,6 +115,10 @@ def weights_location(location: str, root: Path | None) -> Path:
     if not real.is_relative_to(root.resolve()):
         raise InvalidRequestError("location", f"must be inside the weights root {root} (symlinks are followed)")
     return real
+
+
+class _NotNewer(Exception):
+    """A weight update that is not newer than the served version."""
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
@@ -264,18 +270,53 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def UpdateWeights(
         self, request: worker_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.UpdateWeightsResponse:
-        eng = self.engine.engine
         try:
             location = str(weights_location(request.location, self.weights_root))
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+        return await self._update(request.version, location, context)
+
+    async def PushWeights(
+        self, request_iterator: AsyncIterator[worker_pb2.PushWeightsChunk], context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UpdateWeightsResponse:
+        if self.weights_root is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "this worker takes no weight updates: start it with --weights-root")  # fmt: skip
+        assert self.weights_root is not None
+        try:
+            version, staged = await receive_push(
+                request_iterator, self.weights_root, self.max_push_bytes, self._check_newer
+            )
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except _NotNewer as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        try:
+            return await self._update(version, str(staged), context)
+        finally:  # the weights are in memory now (or refused): the staged copy is not needed
+            await asyncio.to_thread(shutil.rmtree, staged, True)
+
+    @functools.cached_property
+    def max_push_bytes(self) -> int:
+        """What one push may declare: a few times the served weights (a float32 checkpoint of bf16 weights is
+        twice their size), plus room for the config and tokenizer files."""
+        eng = self.engine.engine
+        return int(4 * eng.runner.weight_bytes * eng.tp.size + (64 << 20))  # this rank holds 1/tp of them
+
+    def _check_newer(self, version: int) -> None:
+        served = self.engine.engine.weight_version
+        if version <= served:
+            raise _NotNewer(f"version: must be greater than the served {served}, got {version}")
+
+    async def _update(
+        self, version: int, location: str, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UpdateWeightsResponse:
+        eng = self.engine.engine
         async with self._weights_lock:  # one update at a time; versions stay ordered
-            if request.version <= eng.weight_version:
-                served = eng.weight_version
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"version: must be greater than the served {served}, got {request.version}",
-                )
+            try:
+                self._check_newer(version)
+            except _NotNewer as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             start = time.perf_counter()
             # the other ranks read their shards meanwhile; all swap, or none does
             await self.engine.run(functools.partial(eng.start_weight_update, location))
@@ -289,15 +330,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 failure = exc
             load_s = time.perf_counter() - start
             try:
-                swap_s = await self.engine.run(functools.partial(eng.swap_weights, new, request.version, failure))
+                swap_s = await self.engine.run(functools.partial(eng.swap_weights, new, version, failure))
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except (CheckpointError, ConfigError) as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"location: {exc}")
             except ReplicaFailure as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info("weights v%d from %s: read %.2fs, swap %.3fs", request.version, location, load_s, swap_s)
-        return worker_pb2.UpdateWeightsResponse(version=request.version, load_seconds=load_s, swap_seconds=swap_s)
+        log.info("weights v%d from %s: read %.2fs, swap %.3fs", version, location, load_s, swap_s)
+        return worker_pb2.UpdateWeightsResponse(version=version, load_seconds=load_s, swap_seconds=swap_s)
 
     async def GetTokenizer(
         self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
