@@ -80,6 +80,12 @@ def _inline_or_file(value: str) -> str:
         sys.exit(f"error: cannot read {value[1:]}: {exc.strerror}")
 
 
+def _export_demo(a: argparse.Namespace) -> None:
+    from glm5_cli.export import run
+
+    run(a)
+
+
 def _quantize(a: argparse.Namespace) -> None:
     from glm5_cli.quantize import run
 
@@ -247,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo-model", help="train the shipped demo model (addition) and measure it")
     demo_arguments(d)
     d.set_defaults(func=_demo)
+
+    from glm5_cli.export import add_arguments as export_arguments
+
+    e = sub.add_parser("export-demo", help="write the demo model and its addition problems to files (a volume)")
+    export_arguments(e)
+    e.set_defaults(func=_export_demo)
 
     from glm5_cli.quantize import add_arguments as quantize_arguments
 

@@ -147,6 +147,7 @@ class Reconciler:
         fields: dict[str, Any] = {
             "replicas": spec.workers.replicas,
             "readyReplicas": workers.ready,
+            "ready": f"{workers.ready}/{spec.workers.replicas}",
             "selector": ",".join(f"{k}={v}" for k, v in selector(name, "worker").items()),
             "endpoints": router_endpoints(name, ns, spec),
         }

@@ -86,6 +86,22 @@ class VersionedEmulator(kmock.KubernetesEmulator):
                         meta["generation"] = int(live.get("metadata", {}).get("generation", 1)) + 1
         return await super()._handle(request)
 
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        """kmock names the core group's version '/v1'; kubectl then finds no core kinds (PVCs, Pods...)."""
+        served = await super()._serve_version(request)
+        served["groupVersion"] = served["groupVersion"].lstrip("/")
+        return served
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        """Lists with their kind and apiVersion, which kubectl needs to print them."""
+        served = await super()._serve_list(request)
+        assert request.resource is not None
+        info = self.resources.get(request.resource)
+        if info is not None and info.kind:
+            group, version = request.resource.group, request.resource.version
+            served |= {"kind": f"{info.kind}List", "apiVersion": f"{group}/{version}" if group else version}
+        return served
+
     def _live(self, key: tuple[Any, str | None, str | None]) -> Any:
         """The stored object, or None (kmock's ObjectsArray has `in` and `[]` but no `get`)."""
         return self._objects[key] if key in self._objects else None  # noqa: SIM401

@@ -1,12 +1,16 @@
-"""A kubelet and the two workload controllers for tests (issue 18): runs the Pods the operator's StatefulSets and
-Deployments would get, as processes on this machine, against the kmock API emulator.
+"""A kubelet and the workload controllers for tests (issue 18): runs the Pods of the StatefulSets, Deployments and
+Jobs in the kmock API emulator as processes on this machine.
 
 Each pod gets its own 127.0.0.x address and its own mount namespace (tests/helpers/podns.py): its volumes at
 their mountPaths, Service names in its /etc/hosts. In a real pod 0.0.0.0 means the pod's own interfaces; here
 pods share the machine's network, so a container is told to listen on its pod address instead (`--host`
 appended to its args, which win over its config file). Readiness comes from the pod's probe (gRPC health or
 HTTP); pod and workload status are written back through the API, where the operator reads them; a container
-that exits is started again (restartPolicy Always) and its termination message is reported.
+that exits is started again per its restartPolicy and its termination message is reported.
+
+Claims are directories under workdir/claims, one per PersistentVolumeClaim, which must exist in the API (a
+StatefulSet's volumeClaimTemplates create theirs); pods are placed on `nodes` nodes in turn, and a ReadWriteOnce
+claim in use on one node keeps a pod on another Pending with the kubelet's Multi-Attach error.
 """
 
 from __future__ import annotations
@@ -25,12 +29,23 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from glm5_operator.kube import Kube, Ref
+from glm5_operator.kube import PLURALS, Kube, Ref
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helpers.podspec import Objects, PodError, deployment_pods, launch, statefulset_pods, write_volumes
+from tests.helpers.podspec import (
+    Objects,
+    PodError,
+    deployment_pods,
+    job_pods,
+    launch,
+    statefulset_claims,
+    statefulset_pods,
+    write_volumes,
+)
 
 log = logging.getLogger(__name__)
+# the kinds the controllers emulated here write, which the operator's own client never needs
+PLURALS.update({"Job": "jobs", "PersistentVolumeClaim": "persistentvolumeclaims"})
 ROOT = Path(__file__).resolve().parents[2]
 SERVING_COMMANDS = ("worker", "router", "tito-gateway")  # the programs that listen (and take --host)
 
@@ -40,6 +55,8 @@ class RunningPod:
     manifest: dict[str, Any]
     ip: str
     dir: Path
+    node: str = "node-0"
+    finished: bool = False  # every container exited and its restartPolicy starts none again (Jobs)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     ready: bool = False
@@ -52,8 +69,9 @@ class RunningPod:
 
 
 class PodRunner:
-    def __init__(self, emulator: Any, kube: Kube, namespace: str, workdir: Path) -> None:
-        self.emulator, self.kube, self.ns, self.workdir = emulator, kube, namespace, workdir
+    def __init__(self, emulator: Any, kube: Kube, namespace: str, workdir: Path, nodes: int = 1) -> None:
+        """`nodes`: pods are placed on node-0 .. node-{nodes-1} in turn (ReadWriteOnce claims attach to one)."""
+        self.emulator, self.kube, self.ns, self.workdir, self.nodes = emulator, kube, namespace, workdir, nodes
         self.pods: dict[str, RunningPod] = {}
         self._next_ip = 2
         self._task: asyncio.Task[None] | None = None
@@ -79,6 +97,23 @@ class PodRunner:
         for pod in self.pods.values():
             self._kill(pod)
 
+    def kill(self, pod: str, container: str | None = None) -> None:
+        """SIGKILL a container's process, as an OOM kill or a node problem would (its restartPolicy applies)."""
+        running = self.pods[pod]
+        running.procs[container or next(iter(running.procs))].kill()
+
+    def describe(self) -> str:
+        """Each pod's state and the tail of its containers' logs (for a test's failure message)."""
+        out = []
+        for pod in self.pods.values():
+            logs = " | ".join(
+                f"{c.name}: " + " / ".join(c.read_text(errors="replace").strip().splitlines()[-3:])
+                for c in sorted(pod.dir.glob("*.log"))
+            )  # fmt: skip
+            state = _phase(pod) + (" ready" if pod.ready else "") + (f" ({pod.message})" if pod.message else "")
+            out.append(f"\n  {pod.name} on {pod.node}: {state}; restarts {sum(pod.restarts.values())}; {logs}")
+        return "".join(out) or "none"
+
     def address(self, service: str) -> str:
         """Where a Service's traffic goes: its first ready pod (no kube-proxy here)."""
         ips = self._service_ips().get(service, [])
@@ -98,6 +133,9 @@ class PodRunner:
             wanted |= {p["metadata"]["name"]: p for p in statefulset_pods(sts)}
         for dep in self._objects("apps/v1/deployments"):
             wanted |= {p["metadata"]["name"]: p for p in deployment_pods(dep)}
+        for job in self._objects("batch/v1/jobs"):
+            wanted |= {p["metadata"]["name"]: p for p in job_pods(job)}
+        await asyncio.to_thread(self._create_claims)
         for name in set(self.pods) - set(wanted):
             self._kill(self.pods.pop(name))
             await asyncio.to_thread(self.kube.delete, Ref("v1", "Pod", self.ns, name))
@@ -106,12 +144,13 @@ class PodRunner:
             if pod is None or pod.manifest["spec"] != manifest["spec"] or _hash(pod) != _hash_of(manifest):
                 if pod is not None:
                     self._kill(pod)
-                pod = self.pods[name] = RunningPod(manifest, f"127.0.0.{self._next_ip}", self.workdir / name)
+                node = f"node-{(self._next_ip - 2) % self.nodes}"
+                pod = self.pods[name] = RunningPod(manifest, f"127.0.0.{self._next_ip}", self.workdir / name, node)
                 self._next_ip += 1
                 await asyncio.to_thread(self._create_pod_object, manifest)
             self._write_hosts(pod)
-            if not pod.procs and not pod.message:
-                self._start(pod)
+            if not pod.procs and not pod.finished and not pod.terminated:
+                self._start(pod)  # again every pass until it starts: a claim or ConfigMap may appear meanwhile
             self._restart_exited(pod)
             pod.ready = await self._probe(pod)
             await asyncio.to_thread(self._write_pod_status, pod)
@@ -124,14 +163,46 @@ class PodRunner:
             self.kube.delete(Ref("v1", "Pod", self.ns, manifest["metadata"]["name"]))
         self.kube.create(manifest)
 
+    def _create_claims(self) -> None:
+        """The StatefulSet controller's part: a claim per pod and volumeClaimTemplate, kept on scale-down."""
+        have = {c["metadata"]["name"] for c in self._objects("v1/persistentvolumeclaims")}
+        for sts in self._objects("apps/v1/statefulsets"):
+            for claim in statefulset_claims(sts):
+                if claim["metadata"]["name"] not in have:
+                    with contextlib.suppress(Exception):
+                        self.kube.create(claim)
+
+    def _claims_problem(self, pod: RunningPod) -> str:
+        """Why the pod's claims cannot be attached on its node ('' when they can), in the kubelet's words."""
+        claims = {c["metadata"]["name"]: c for c in self._objects("v1/persistentvolumeclaims")}
+        for volume in pod.manifest["spec"].get("volumes") or []:
+            if "persistentVolumeClaim" not in volume:
+                continue
+            name = volume["persistentVolumeClaim"]["claimName"]
+            if name not in claims:
+                return f'persistentvolumeclaim "{name}" not found'
+            modes = set(claims[name]["spec"].get("accessModes") or ["ReadWriteOnce"])
+            if modes & {"ReadWriteMany", "ReadOnlyMany"}:
+                continue
+            users = [other for other in self.pods.values() if other is not pod and other.procs
+                     and name in _claims_of(other)]  # fmt: skip
+            elsewhere = [u.name for u in users if u.node != pod.node or "ReadWriteOncePod" in modes]
+            if elsewhere:
+                return (f'Multi-Attach error for volume "{name}": Volume is already used by pod(s) '
+                        f"{', '.join(elsewhere)}")  # fmt: skip
+        return ""
+
     def _start(self, pod: RunningPod) -> None:
         spec = pod.manifest["spec"]
         for container in spec["containers"]:
             requests = (container.get("resources") or {}).get("limits") or {}
             wanted = [r for r in requests if "/" in r and not r.startswith(("cpu", "memory"))]
             if wanted:
-                pod.message = f"0/1 nodes are available: insufficient {', '.join(wanted)}"
+                pod.message = f"0/{self.nodes} nodes are available: insufficient {', '.join(wanted)}"
                 return
+        pod.message = self._claims_problem(pod)
+        if pod.message:
+            return
         objects = Objects(
             config_maps={c["metadata"]["name"]: c for c in self._objects("v1/configmaps")},
             secrets={s["metadata"]["name"]: s for s in self._objects("v1/secrets")},
@@ -165,6 +236,7 @@ class PodRunner:
         )  # fmt: skip
 
     def _restart_exited(self, pod: RunningPod) -> None:
+        policy = pod.manifest["spec"].get("restartPolicy", "Always")
         for container in pod.manifest["spec"]["containers"]:
             proc = pod.procs.get(container["name"])
             if proc is None or proc.poll() is None:
@@ -173,8 +245,11 @@ class PodRunner:
             message = message_file.read_text() if message_file.exists() else ""
             reason = "Completed" if proc.returncode == 0 else "Error"
             pod.terminated[container["name"]] = {"exitCode": proc.returncode, "message": message, "reason": reason}
-            pod.restarts[container["name"]] = pod.restarts.get(container["name"], 0) + 1
             del pod.procs[container["name"]]
+            if policy == "Never" or (policy == "OnFailure" and proc.returncode == 0):
+                pod.finished = not pod.procs
+                continue
+            pod.restarts[container["name"]] = pod.restarts.get(container["name"], 0) + 1
             objects = Objects(
                 config_maps={c["metadata"]["name"]: c for c in self._objects("v1/configmaps")},
                 secrets={s["metadata"]["name"]: s for s in self._objects("v1/secrets")},
@@ -212,14 +287,16 @@ class PodRunner:
         for c in pod.manifest["spec"]["containers"]:
             running = c["name"] in pod.procs
             state = {"running": {}} if running else {"waiting": {"reason": "Pending"}}
+            if pod.finished:
+                state = {"terminated": pod.terminated[c["name"]]}
             restarts = pod.restarts.get(c["name"], 0)
             status: dict[str, Any] = {"name": c["name"], "ready": pod.ready and running, "state": state,
                                       "restartCount": restarts, "image": c.get("image", "")}  # fmt: skip
-            if c["name"] in pod.terminated:
+            if c["name"] in pod.terminated and not pod.finished:
                 status["lastState"] = {"terminated": pod.terminated[c["name"]]}
             statuses.append(status)
         body = {"status": {
-            "phase": "Running" if pod.procs else "Pending", "podIP": pod.ip,
+            "phase": _phase(pod), "podIP": pod.ip, "hostIP": pod.node,
             "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False",
                             **({"message": pod.message} if pod.message else {})}],
             "containerStatuses": statuses,
@@ -241,6 +318,21 @@ class PodRunner:
                 with contextlib.suppress(Exception):
                     self.kube.patch(Ref("apps/v1", kind, self.ns, obj["metadata"]["name"]), {"status": status},
                                     "status")  # fmt: skip
+
+        for job in self._objects("batch/v1/jobs"):
+            pods = [self.pods.get(p["metadata"]["name"]) for p in job_pods(job)]
+            phases = [_phase(p) if p is not None else "Pending" for p in pods]
+            done = {"active": sum(ph in ("Pending", "Running") for ph in phases),
+                    "succeeded": phases.count("Succeeded"), "failed": phases.count("Failed")}  # fmt: skip
+            job_status: dict[str, Any] = dict(done)
+            if done["succeeded"] or done["failed"]:
+                kind = "Complete" if done["succeeded"] else "Failed"
+                job_status["conditions"] = [{"type": kind, "status": "True"}]
+            if all((job.get("status") or {}).get(k) == v for k, v in job_status.items()):
+                continue
+            with contextlib.suppress(Exception):
+                self.kube.patch(Ref("batch/v1", "Job", self.ns, job["metadata"]["name"]), {"status": job_status},
+                                "status")  # fmt: skip
 
     # -- names ----------------------------------------------------------------------------------------
 
@@ -290,6 +382,18 @@ class PodRunner:
                 proc.kill()
                 proc.wait()
         pod.procs.clear()
+
+
+def _phase(pod: RunningPod) -> str:
+    if pod.finished:
+        failed = any(t["exitCode"] != 0 for t in pod.terminated.values())
+        return "Failed" if failed else "Succeeded"
+    return "Running" if pod.procs else "Pending"
+
+
+def _claims_of(pod: RunningPod) -> set[str]:
+    return {v["persistentVolumeClaim"]["claimName"] for v in pod.manifest["spec"].get("volumes") or []
+            if "persistentVolumeClaim" in v}  # fmt: skip
 
 
 def _spellings(name: str, ns: str) -> list[str]:

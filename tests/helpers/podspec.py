@@ -36,8 +36,39 @@ def statefulset_pods(sts: dict[str, Any]) -> list[dict[str, Any]]:
         pod["spec"]["hostname"] = f"{name}-{i}"
         if spec.get("serviceName"):
             pod["spec"]["subdomain"] = spec["serviceName"]
+        for claim in spec.get("volumeClaimTemplates") or []:  # the controller's per-pod claims
+            volume = {
+                "name": claim["metadata"]["name"],
+                "persistentVolumeClaim": {"claimName": claim_name(sts, claim, i)},
+            }
+            pod["spec"].setdefault("volumes", []).append(volume)
         out.append(pod)
     return out
+
+
+def claim_name(sts: dict[str, Any], template: dict[str, Any], index: int) -> str:
+    return f"{template['metadata']['name']}-{sts['metadata']['name']}-{index}"
+
+
+def statefulset_claims(sts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The PersistentVolumeClaims a StatefulSet controller creates from volumeClaimTemplates (kept on scale-down)."""
+    out = []
+    for i in range(int(sts["spec"].get("replicas", 1))):
+        for template in sts["spec"].get("volumeClaimTemplates") or []:
+            out.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                        "metadata": {"name": claim_name(sts, template, i), "namespace": sts["metadata"]["namespace"]},
+                        "spec": template["spec"]})  # fmt: skip
+    return out
+
+
+def job_pods(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Job's one pod (parallelism and completions of 1, which is all the chart's examples use)."""
+    spec = job["spec"]
+    if int(spec.get("parallelism", 1)) != 1 or int(spec.get("completions", 1)) != 1:
+        raise PodError("the test pod runner runs Jobs of one pod")
+    pod = _from_template(job, f"{job['metadata']['name']}-0")
+    pod["metadata"]["labels"]["job-name"] = job["metadata"]["name"]
+    return [pod]
 
 
 def deployment_pods(dep: dict[str, Any]) -> list[dict[str, Any]]:
@@ -184,6 +215,8 @@ def launch(pod: dict[str, Any], container: dict[str, Any], objects: Objects, vol
     env = container_env(pod, container, objects, pod_ip)
     args = [expand(str(a), env) for a in container.get("args") or []]
     command = [expand(str(c), env) for c in container.get("command") or []]
+    if command[:1] == ["glm5"]:
+        command = [sys.executable, "-m", "glm5_cli", *command[1:]]  # the image's glm5 is this checkout's
     argv = command + args if command else [sys.executable, "-m", "glm5_cli", *args]  # the image's entrypoint
     mounts = []
     for m in container.get("volumeMounts") or []:

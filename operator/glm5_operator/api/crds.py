@@ -133,14 +133,10 @@ def _crd(
     }
 
 
-def _ready(json_path: str = '.status.conditions[?(@.type=="Ready")].status') -> dict[str, Any]:
-    return {"name": "Ready", "type": "string", "jsonPath": json_path}
-
-
 def glm5deployment_crd() -> dict[str, Any]:
-    columns = [
-        _ready(),
-        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.workers.replicas"},
+    columns = [  # READY as `kubectl get deploy` shows it: ready/desired model replicas
+        {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+        {"name": "Status", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
         {"name": "Model", "type": "string", "jsonPath": ".spec.model.servedName"},
         {"name": "Accelerator", "type": "string", "jsonPath": ".spec.workers.accelerator"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

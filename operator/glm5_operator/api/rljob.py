@@ -63,8 +63,14 @@ class Trainer(Spec):
 
 
 class Dataset(Spec):
-    uri: str = Field(min_length=1, description="Prompts/environments: a path in the trainer image or a volume.")
+    uri: str = Field(
+        min_length=1,
+        description="Problems: 'builtin' (the environment's own), or a JSONL file: on pvcName's claim (under "
+        "mountPath) or in the trainer image.",
+    )
     environment: str = Field("addition", description="Reward environment name.")
+    pvc_name: str | None = Field(None, description="PersistentVolumeClaim holding the dataset, mounted read-only.")
+    mount_path: str = Field("/data", pattern=r"^/", description="Where pvcName's claim is mounted in the trainer.")
 
 
 class RLJobSpec(Spec):

@@ -87,6 +87,13 @@ def rljob_problems(spec: RLJobSpec) -> list[str]:
     t = spec.trainer
     if t.task_preset == "custom" and (t.eps_low is None or t.eps_high is None):
         out.append("spec.trainer: taskPreset custom needs epsLow and epsHigh")
+    d = spec.dataset
+    mount = d.mount_path.rstrip("/") + "/"
+    if d.pvc_name and not d.uri.startswith(mount):
+        out.append(f"spec.dataset.uri: with pvcName the file must be under mountPath {d.mount_path}, got {d.uri}")
+    policy = spec.policy.path.rstrip("/") + "/"
+    if d.pvc_name and (policy.startswith(mount) or mount.startswith(policy)):
+        out.append(f"spec.dataset.mountPath: {d.mount_path} and spec.policy.path {spec.policy.path} must not nest")
     return out
 
 

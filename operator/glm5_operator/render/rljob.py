@@ -22,7 +22,7 @@ from glm5_operator.render.common import (
     selector,
 )
 from glm5_operator.render.network import ADMIN_DIR, ADMIN_FILE, CLIENT_OF_LABEL, WEIGHTS_ROOT, admin_volume
-from glm5_operator.render.workers import ACCELERATOR_RESOURCE, ALL_INTERFACES, worker_address
+from glm5_operator.render.workers import ACCELERATOR_RESOURCE, ALL_INTERFACES, model_volume, worker_address
 
 GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
 TRAINER_FILE = "trainer.json"  # `glm5 trainer --config`
@@ -64,7 +64,10 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "sync-every-steps": t.sync_every_steps,
         "ema-decay": t.ema_decay,
         "checkpoint-dir": CHECKPOINT_DIR,
-        "admin-token-file": f"{ADMIN_DIR}/{ADMIN_FILE}",  # the engines' token, sent with UpdateWeights
+        "admin-token-file": f"{ADMIN_DIR}/{ADMIN_FILE}",  # the engines' token, sent with every weight push
+        # the workers share no volume with the trainer (its checkpoint claim is ReadWriteOnce, and a referenced
+        # deployment's workers were rendered without it): each version's files go to them over gRPC
+        "weights-transport": "stream",
         "dataset": spec.dataset.uri,
         "environment": spec.dataset.environment,
     }
@@ -193,6 +196,14 @@ def trainer_stateful_set(
     )
     trainer = template["spec"]["containers"][0]
     trainer["volumeMounts"].append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    policy_volumes, policy_mounts = model_volume(spec.policy)  # the starting policy, as the workers mount it
+    template["spec"]["volumes"] += policy_volumes
+    trainer["volumeMounts"] += policy_mounts
+    if spec.dataset.pvc_name:
+        template["spec"]["volumes"].append(
+            {"name": "dataset", "persistentVolumeClaim": {"claimName": spec.dataset.pvc_name, "readOnly": True}}
+        )
+        trainer["volumeMounts"].append({"name": "dataset", "mountPath": spec.dataset.mount_path, "readOnly": True})
     admin, admin_mount = admin_volume(client_of)  # the token of the workers it pushes weights to
     template["spec"]["volumes"].append(admin)
     trainer["volumeMounts"].append(admin_mount)

@@ -17,7 +17,7 @@ import copy
 import json
 from typing import Any
 
-from glm5_operator.api.deployment import GLM5DeploymentSpec, Workers
+from glm5_operator.api.deployment import GLM5DeploymentSpec, ModelSource, Workers
 from glm5_operator.config import OperatorConfig
 from glm5_operator.render.common import (
     CONFIG_HASH_ANNOTATION,
@@ -183,6 +183,17 @@ def _env(w: Workers) -> list[dict[str, Any]]:
     return env
 
 
+def model_volume(m: ModelSource) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The checkpoint's volume, mounted read-only at its path (none: the path is in the image)."""
+    if m.pvc_name:
+        volume: dict[str, Any] = {"name": "model", "persistentVolumeClaim": {"claimName": m.pvc_name, "readOnly": True}}
+    elif m.host_path:
+        volume = {"name": "model", "hostPath": {"path": m.host_path, "type": "Directory"}}
+    else:
+        return [], []
+    return [volume], [{"name": "model", "mountPath": m.path, "readOnly": True}]
+
+
 def _volumes(instance: str, spec: GLM5DeploymentSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     m = spec.model
     volumes: list[dict[str, Any]] = [
@@ -195,12 +206,12 @@ def _volumes(instance: str, spec: GLM5DeploymentSpec) -> tuple[list[dict[str, An
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
-    if m.pvc_name:
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": m.pvc_name, "readOnly": True}})
-    elif m.host_path:
-        volumes.append({"name": "model", "hostPath": {"path": m.host_path, "type": "Directory"}})
-    if m.pvc_name or m.host_path:
-        mounts.append({"name": "model", "mountPath": m.path, "readOnly": True})
+    model_volumes, model_mounts = model_volume(m)
+    volumes += model_volumes
+    mounts += model_mounts
+    # pushed weights (Worker.PushWeights) are staged here, read into memory and deleted
+    volumes.append({"name": "weights", "emptyDir": {}})
+    mounts.append({"name": "weights", "mountPath": WEIGHTS_ROOT})
     tls_volumes, tls_mounts = tls_volume(spec)
     volumes += tls_volumes
     mounts += tls_mounts

@@ -266,3 +266,40 @@ def test_workers_get_an_admin_token_that_only_their_rl_trainers_share() -> None:
     settings = json.loads(next(c.manifest for c in rljob_children("job", "ml", job, CONFIG, spec)
                                if c.kind == "ConfigMap")["data"]["trainer.json"])  # fmt: skip
     assert settings["admin-token-file"] == "/etc/glm5/admin/token"
+
+
+def _mounted(pod: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The volume a container path lies on (the deepest mount above it), or None."""
+    mounts = sorted(pod["containers"][0]["volumeMounts"], key=lambda m: len(m["mountPath"]), reverse=True)
+    for m in mounts:
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/"):
+            return next(v for v in pod["volumes"] if v["name"] == m["name"])
+    return None
+
+
+def test_trainer_mounts_what_its_config_names_and_streams_weights() -> None:
+    """The trainer reads its policy from the policy claim and its dataset from the dataset claim; the workers it
+    pushes to stage the streamed files on a writable volume of their own (they share none with the trainer)."""
+    doc = yaml.safe_load((CHART / "examples" / "rljob.yaml").read_text())
+    spec = parse_rljob(doc["spec"])
+    served = parse_deployment(yaml.safe_load((CHART / "examples" / "cpu.yaml").read_text())["spec"])
+    children = [c.manifest for c in rljob_children("job", "ml", spec, CONFIG, served)]
+    trainer = next(m for m in children if m["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+    settings = json.loads(next(m for m in children if m["kind"] == "ConfigMap")["data"]["trainer.json"])
+    policy, dataset = _mounted(trainer, settings["policy"]), _mounted(trainer, settings["dataset"])
+    assert policy is not None and policy["persistentVolumeClaim"]["claimName"] == doc["spec"]["policy"]["pvcName"]
+    assert dataset is not None and dataset["persistentVolumeClaim"]["claimName"] == doc["spec"]["dataset"]["pvcName"]
+    assert settings["weights-transport"] == "stream"
+    workers = next(c.manifest for c in deployment_children("tiny", "ml", served, CONFIG) if c.kind == "StatefulSet")
+    engine = json.loads(next(c.manifest for c in deployment_children("tiny", "ml", served, CONFIG)
+                             if c.name == "tiny-engine")["data"]["engine.json"])  # fmt: skip
+    assert _mounted(workers["spec"]["template"]["spec"], engine["weights-root"]) == {"name": "weights", "emptyDir": {}}
+
+
+@pytest.mark.parametrize("dataset,message", [
+    ({"uri": "/elsewhere/a.jsonl", "pvcName": "d"}, "must be under mountPath /data"),
+    ({"uri": "/models/x.jsonl", "pvcName": "d", "mountPath": "/models"}, "must not nest"),
+])  # fmt: skip
+def test_dataset_claims_are_checked(dataset: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidSpec, match=message):
+        parse_rljob({"policy": {"path": "/models/p"}, "rollout": {"deploymentRef": "s"}, "dataset": dataset})

@@ -1,0 +1,79 @@
+"""One emulated cluster per end-to-end test: the kmock API, the real operator (kopf) in its thread, and the pod
+runner (tests/helpers/podrunner.py) running what the controllers would, with real `kubectl` in front."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import pytest_asyncio
+from glm5_operator.config import OperatorConfig
+from glm5_operator.kube import Kube
+
+from tests.helpers.kube import OperatorThread, emulated_cluster, kubectl
+from tests.helpers.podrunner import PodRunner
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "glm5"
+EXAMPLES = CHART / "examples"
+NAMESPACE = "default"
+T = TypeVar("T")
+needs_pods = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="pods need root and unshare")
+
+
+@dataclass
+class Cluster:
+    emulator: Any
+    server: str
+    kube: Kube
+    runner: PodRunner
+
+    async def kubectl(self, *args: str) -> str:
+        return await asyncio.to_thread(kubectl, self.server, *args, namespace=NAMESPACE)
+
+    def get(self, resource: str, name: str) -> dict[str, Any]:
+        """The stored object (resource as kmock keys it, e.g. 'batch/v1/jobs'); {} when absent."""
+        try:
+            obj = self.emulator.objects[resource, NAMESPACE, name]
+        except KeyError:
+            return {}
+        return {} if obj.deleted else dict(obj.raw)
+
+    def condition(self, resource: str, name: str, kind: str) -> dict[str, Any]:
+        conds = (self.get(resource, name).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == kind), {})
+
+    async def until(self, check: Callable[[], T], timeout: float, what: str) -> T:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while asyncio.get_running_loop().time() < deadline:
+            result = check()
+            if result:
+                return result
+            await asyncio.sleep(0.3)
+        raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; pods: {self.runner.describe()}")
+
+    async def fill_demo_claims(self) -> None:
+        """What a user does first: examples/demo-data.yaml's claims, filled by its Job."""
+        await self.kubectl("apply", "-f", str(EXAMPLES / "demo-data.yaml"))
+        await self.until(lambda: self.condition("batch/v1/jobs", "glm5-demo-data", "Complete").get("status") == "True",
+                         120, "the demo-data Job to complete")  # fmt: skip
+
+
+@pytest_asyncio.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async with emulated_cluster() as emulator:
+        server = str(emulator.url).rstrip("/")
+        kube = Kube.for_server(server)
+        operator = await OperatorThread.start(OperatorConfig(retry_delay_s=0.3), server)
+        runner = PodRunner(emulator, kube, NAMESPACE, tmp_path)
+        await runner.start()
+        try:
+            yield Cluster(emulator, server, kube, runner)
+        finally:
+            await runner.stop()
+            await operator.stop()
