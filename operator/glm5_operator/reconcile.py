@@ -267,12 +267,17 @@ class Reconciler:
 
     def _rljob_succeeded(self, body: dict[str, Any], spec: RLJobSpec) -> bool:
         """The trainer took the job's `steps`: recorded in the status, or reported in the trainer container's
-        termination message (exit 0 with `{"complete": true, "steps": N}`; a SIGTERM'd trainer also exits 0
-        but reports nothing)."""
+        termination message (exit 0 with `{"complete": true, "steps": N, "version": V}`; a SIGTERM'd trainer also
+        exits 0 but reports nothing)."""
         if not spec.trainer.steps:
             return False
         if self._recorded_success(body, spec):
             return True
+        report = self._trainer_report(body)
+        return report is not None and report.get("steps") == spec.trainer.steps
+
+    def _trainer_report(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The completion the trainer container wrote to its termination log, if it exited 0 with one."""
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         pod = self.kube.get(Ref("v1", "Pod", ns, f"{child_name(name, 'trainer')}-0")) or {}
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
@@ -284,9 +289,9 @@ class Reconciler:
                     message = json.loads(done.get("message") or "")
                 except ValueError:
                     continue
-                if isinstance(message, dict) and message.get("complete") and message.get("steps") == spec.trainer.steps:
-                    return True
-        return False
+                if isinstance(message, dict) and message.get("complete"):
+                    return message
+        return None
 
     def _rljob_status(
         self, body: dict[str, Any], spec: RLJobSpec, ref_spec: GLM5DeploymentSpec | None, succeeded: bool
@@ -296,13 +301,22 @@ class Reconciler:
         region = {"epsLow": eps_low, "epsHigh": eps_high}
         if succeeded:
             steps = spec.trainer.steps
+            status = self._written.get((body["kind"], ns, name)) or body.get("status") or {}
+            version = status.get("policyVersion") if self._recorded_success(body, spec) else None
+            if version is None:
+                version = (self._trainer_report(body) or {}).get("version")
+            checkpoint = {"claim": rl.checkpoint_claim(name)}
+            if isinstance(version, int):
+                checkpoint["path"] = rl.synced_path(version)
+            where = f"{checkpoint.get('path', 'actor_synced/')} on claim {checkpoint['claim']}"
             conds = [
                 condition("Succeeded", True, "StepsCompleted",
-                          f"the trainer took the job's {steps} steps; the final version is on the checkpoint volume",
-                          gen),
+                          f"the trainer took the job's {steps} steps; the final version is {where}", gen),
                 condition("Ready", False, "Succeeded", "the job has finished: its workloads are scaled to zero", gen),
             ]  # fmt: skip
-            self._set_status(body, {"phase": "Succeeded", "completedSteps": steps, "trustRegion": region}, conds)
+            fields = {"phase": "Succeeded", "completedSteps": steps, "trustRegion": region, "checkpoint": checkpoint,
+                      "policyVersion": version if isinstance(version, int) else None}  # fmt: skip
+            self._set_status(body, fields, conds)
             return
         gateway = rollout(self.kube.get(Ref("apps/v1", "Deployment", ns, child_name(name, "gateway"))),
                           spec.gateway.replicas, "availableReplicas")  # fmt: skip

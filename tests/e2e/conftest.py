@@ -23,6 +23,7 @@ CHART = Path(__file__).resolve().parents[2] / "charts" / "glm5"
 EXAMPLES = CHART / "examples"
 NAMESPACE = "default"
 T = TypeVar("T")
+CRASH_LOOP = 5  # restarts of one pod that fail a wait at once
 needs_pods = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="pods need root and unshare")
 
 
@@ -54,6 +55,9 @@ class Cluster:
             result = check()
             if result:
                 return result
+            looping = [p.name for p in self.runner.pods.values() if sum(p.restarts.values()) >= CRASH_LOOP]
+            if looping:  # a kubelet would back off; nothing will come of waiting
+                raise AssertionError(f"waiting for {what}: {looping} keep crashing; pods: {self.runner.describe()}")
             await asyncio.sleep(0.3)
         raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; pods: {self.runner.describe()}")
 

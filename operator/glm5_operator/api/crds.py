@@ -148,8 +148,9 @@ def glm5deployment_crd() -> dict[str, Any]:
 def rljob_crd() -> dict[str, Any]:
     columns = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Steps", "type": "integer", "jsonPath": ".status.completedSteps"},
         {"name": "Policy-Version", "type": "integer", "jsonPath": ".status.policyVersion"},
-        {"name": "Last-Sync", "type": "date", "jsonPath": ".status.lastSyncTime"},
+        {"name": "Checkpoint", "type": "string", "jsonPath": ".status.checkpoint.claim", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     description = "Asynchronous RL: TITO gateway, rollout engines and a trainer that pushes weights back."

@@ -53,6 +53,10 @@ class Trainer(Spec):
         ),
     )
     image: str | None = Field(None, description="Trainer image (default: the operator's configured image).")
+    group_size: int = Field(8, ge=2, description="Rollouts per problem (advantages are normalised in a group).")
+    groups_per_step: int = Field(8, ge=1, description="Problem groups per optimizer step.")
+    max_new_tokens: int = Field(40, ge=1, description="Token limit of one rollout's answer.")
+    eval_size: int = Field(200, ge=0, description="Held-out problems scored greedily before and after (0: none).")
 
     def trust_region(self) -> tuple[float, float]:
         low, high = PRESETS.get(self.task_preset, (None, None))

@@ -31,6 +31,16 @@ CHECKPOINT_DIR = WEIGHTS_ROOT
 TERMINATION_LOG = "/dev/termination-log"  # the container's termination message (Kubernetes' default path)
 
 
+def checkpoint_claim(job: str) -> str:
+    """The trainer's checkpoint claim, as the StatefulSet controller names it (<template>-<pod>)."""
+    return f"checkpoints-{child_name(job, 'trainer')}-0"
+
+
+def synced_path(version: int) -> str:
+    """Where `glm5 trainer` publishes a version, relative to its checkpoint directory (the claim's root)."""
+    return f"actor_synced/v{version:06d}"
+
+
 def rollout_instance(job: str) -> str:
     """Instance name of a job's own rollout workers (their children are named after it)."""
     return child_name(job, "rollout")
@@ -54,6 +64,10 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         # 0: train until the pod is stopped (SIGTERM: finish the step, publish, exit); restarts resume. N: the
         # job's total; the trainer then writes its completion to the termination log, where the operator reads it
         "steps": t.steps,
+        "group-size": t.group_size,
+        "groups-per-step": t.groups_per_step,
+        "max-new-tokens": t.max_new_tokens,
+        "eval-size": t.eval_size,
         "completion-file": TERMINATION_LOG,
         "learning-rate": t.learning_rate,
         "task-preset": t.task_preset,

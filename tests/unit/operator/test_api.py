@@ -57,10 +57,15 @@ def _schema_validator(crd: dict[str, Any]) -> jsonschema.Draft4Validator:
 
 @pytest.mark.parametrize("example", sorted((CHART / "examples").glob("*.yaml")), ids=lambda p: p.stem)
 def test_examples_pass_the_schema_and_the_semantic_checks(example: Path) -> None:
-    doc = yaml.safe_load(example.read_text())
-    if doc["kind"] not in ("GLM5Deployment", "RLJob"):  # plain Kubernetes objects (the quantize Job)
-        kubernetes_validate.validate(doc, "1.33.0", strict=True)
-        return
+    docs = list(yaml.safe_load_all(example.read_text()))
+    for doc in docs:
+        if doc["kind"] not in ("GLM5Deployment", "RLJob"):  # plain Kubernetes objects (the Jobs, claims)
+            kubernetes_validate.validate(doc, "1.33.0", strict=True)
+        else:
+            _check_custom_resource(doc)
+
+
+def _check_custom_resource(doc: dict[str, Any]) -> None:
     crd, parse = (
         (glm5deployment_crd(), parse_deployment) if doc["kind"] == "GLM5Deployment" else (rljob_crd(), parse_rljob)
     )

@@ -1,0 +1,63 @@
+"""An RLJob from `kubectl apply` to trained weights, without a cluster (issue 18): the chart's examples/rljob.yaml
+on the cpu.yaml deployment's workers, its trainer and gateway run as pods by the test pod runner. The trainer reads
+its policy and dataset from the claims examples/demo-data.yaml filled, and streams every version to the workers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from glm5.v1 import worker_pb2, worker_pb2_grpc
+
+from tests.e2e.conftest import EXAMPLES, Cluster, needs_pods
+
+pytestmark = [pytest.mark.asyncio, needs_pods]
+DEPLOYMENTS, RLJOBS = "glm5.ai/v1alpha1/glm5deployments", "glm5.ai/v1alpha1/rljobs"
+
+
+async def _weight_version(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as ch:
+        info = await worker_pb2_grpc.WorkerStub(ch).GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+    return int(info.weight_version)
+
+
+async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: Cluster, tmp_path: Path) -> None:
+    await cluster.fill_demo_claims()
+    await cluster.kubectl("apply", "-f", str(EXAMPLES / "cpu.yaml"))
+    await cluster.until(lambda: cluster.condition(DEPLOYMENTS, "tiny", "Ready").get("status") == "True", 240,
+                        "the GLM5Deployment to be Ready")  # fmt: skip
+
+    # The example as shipped, made small enough for two CPU cores: fewer and smaller steps, a version pushed
+    # after every step, a short held-out evaluation.
+    job = yaml.safe_load((EXAMPLES / "rljob.yaml").read_text())
+    name = job["metadata"]["name"]
+    job["spec"]["trainer"] |= {"steps": 2, "syncEverySteps": 1, "groupSize": 4, "groupsPerStep": 2, "evalSize": 8}
+    (tmp_path / "rljob.yaml").write_text(yaml.safe_dump(job))
+    await cluster.kubectl("apply", "-f", str(tmp_path / "rljob.yaml"))
+
+    await cluster.until(lambda: cluster.condition(RLJOBS, name, "Succeeded").get("status") == "True", 420,
+                        "the RLJob to succeed")  # fmt: skip
+    status = cluster.get(RLJOBS, name)["status"]
+    assert status["phase"] == "Succeeded" and status["completedSteps"] == 2
+    version = status["policyVersion"]
+    assert isinstance(version, int) and version >= 2  # at least one published version per step
+
+    # the final checkpoint is on the claim the job names, at the path it names
+    checkpoint = cluster.runner.workdir / "claims" / status["checkpoint"]["claim"] / status["checkpoint"]["path"]
+    assert json.loads((checkpoint / "version.json").read_text())["steps"] == 2
+    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "tokenizer.json").is_file()
+
+    # the rollout workers serve it: it reached them over gRPC (they mount neither the trainer's claim nor any
+    # other volume it wrote to)
+    worker = cluster.runner.pods["tiny-worker-0"]
+    assert await _weight_version(f"{worker.ip}:50051") == version
+    assert not any(v.get("persistentVolumeClaim", {}).get("claimName") == status["checkpoint"]["claim"]
+                   for v in worker.manifest["spec"]["volumes"])  # fmt: skip
+
+    # the finished job's workloads scale to zero; the checkpoint stays
+    await cluster.until(lambda: not any(p.startswith(f"{name}-") for p in cluster.runner.pods), 60,
+                        "the job's pods to go")  # fmt: skip
+    assert checkpoint.is_dir()
