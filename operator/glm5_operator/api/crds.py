@@ -146,7 +146,7 @@ def glm5deployment_crd() -> dict[str, Any]:
 
 
 def rljob_crd() -> dict[str, Any]:
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Steps", "type": "integer", "jsonPath": ".status.completedSteps"},
         {"name": "Policy-Version", "type": "integer", "jsonPath": ".status.policyVersion"},
