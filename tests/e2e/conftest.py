@@ -69,12 +69,13 @@ class Cluster:
 
 
 @pytest_asyncio.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Cluster]:
+    marker = request.node.get_closest_marker("pod_runner")
     async with emulated_cluster() as emulator:
         server = str(emulator.url).rstrip("/")
         kube = Kube.for_server(server)
         operator = await OperatorThread.start(OperatorConfig(retry_delay_s=0.3), server)
-        runner = PodRunner(emulator, kube, NAMESPACE, tmp_path)
+        runner = PodRunner(emulator, kube, NAMESPACE, tmp_path, **(marker.kwargs if marker else {}))
         await runner.start()
         try:
             yield Cluster(emulator, server, kube, runner)

@@ -69,9 +69,16 @@ class RunningPod:
 
 
 class PodRunner:
-    def __init__(self, emulator: Any, kube: Kube, namespace: str, workdir: Path, nodes: int = 1) -> None:
-        """`nodes`: pods are placed on node-0 .. node-{nodes-1} in turn (ReadWriteOnce claims attach to one)."""
+    def __init__(
+        self, emulator: Any, kube: Kube, namespace: str, workdir: Path, nodes: int = 1,
+        devices: dict[str, int] | None = None, programs: dict[str, list[str]] | None = None,
+    ) -> None:  # fmt: skip
+        """`nodes`: pods are placed on node-0 .. node-{nodes-1} in turn (ReadWriteOnce claims attach to one).
+        `devices`: extended resources each node offers (say huawei.com/Ascend910: 8); a pod asking for more, or
+        for one no node has, stays Pending. `programs`: container name -> the program run instead of the image's,
+        for containers that cannot run here (an NPU worker); it runs in the pod as the container would."""
         self.emulator, self.kube, self.ns, self.workdir, self.nodes = emulator, kube, namespace, workdir, nodes
+        self.devices, self.programs = devices or {}, programs or {}
         self.pods: dict[str, RunningPod] = {}
         self._next_ip = 2
         self._task: asyncio.Task[None] | None = None
@@ -149,6 +156,8 @@ class PodRunner:
                 self._next_ip += 1
                 await asyncio.to_thread(self._create_pod_object, manifest)
             self._write_hosts(pod)
+            if pod.procs:
+                self._refresh_volumes(pod)
             if not pod.procs and not pod.finished and not pod.terminated:
                 self._start(pod)  # again every pass until it starts: a claim or ConfigMap may appear meanwhile
             self._restart_exited(pod)
@@ -195,18 +204,15 @@ class PodRunner:
     def _start(self, pod: RunningPod) -> None:
         spec = pod.manifest["spec"]
         for container in spec["containers"]:
-            requests = (container.get("resources") or {}).get("limits") or {}
-            wanted = [r for r in requests if "/" in r and not r.startswith(("cpu", "memory"))]
+            limits = (container.get("resources") or {}).get("limits") or {}
+            wanted = [r for r, n in limits.items() if "/" in r and int(n) > self.devices.get(r, 0)]
             if wanted:
                 pod.message = f"0/{self.nodes} nodes are available: insufficient {', '.join(wanted)}"
                 return
         pod.message = self._claims_problem(pod)
         if pod.message:
             return
-        objects = Objects(
-            config_maps={c["metadata"]["name"]: c for c in self._objects("v1/configmaps")},
-            secrets={s["metadata"]["name"]: s for s in self._objects("v1/secrets")},
-        )
+        objects = self._api_objects()
         try:
             volumes = write_volumes(pod.manifest, objects, pod.dir, self.workdir / "claims")
             for container in spec["containers"]:
@@ -217,7 +223,9 @@ class PodRunner:
     def _launch(self, pod: RunningPod, container: dict[str, Any], run: Any) -> None:
         name = container["name"]
         args = run.argv
-        if len(args) > 3 and args[3] in SERVING_COMMANDS:
+        if name in self.programs:
+            args = [sys.executable, *self.programs[name]]
+        elif len(args) > 3 and args[3] in SERVING_COMMANDS:
             args = [*args, "--host", pod.ip]  # this pod's address stands for its network namespace
         message_path = container.get("terminationMessagePath")
         mounts = list(run.mounts)
@@ -235,6 +243,18 @@ class PodRunner:
              str(spec_file)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env},
         )  # fmt: skip
 
+    def _refresh_volumes(self, pod: RunningPod) -> None:
+        """ConfigMap and Secret volumes follow their objects, as the kubelet's periodic sync makes them (each file
+        replaced whole, so a reader never sees half of one)."""
+        with contextlib.suppress(PodError):
+            write_volumes(pod.manifest, self._api_objects(), pod.dir, self.workdir / "claims", only_projected=True)
+
+    def _api_objects(self) -> Objects:
+        return Objects(
+            config_maps={c["metadata"]["name"]: c for c in self._objects("v1/configmaps")},
+            secrets={s["metadata"]["name"]: s for s in self._objects("v1/secrets")},
+        )
+
     def _restart_exited(self, pod: RunningPod) -> None:
         policy = pod.manifest["spec"].get("restartPolicy", "Always")
         for container in pod.manifest["spec"]["containers"]:
@@ -250,10 +270,7 @@ class PodRunner:
                 pod.finished = not pod.procs
                 continue
             pod.restarts[container["name"]] = pod.restarts.get(container["name"], 0) + 1
-            objects = Objects(
-                config_maps={c["metadata"]["name"]: c for c in self._objects("v1/configmaps")},
-                secrets={s["metadata"]["name"]: s for s in self._objects("v1/secrets")},
-            )
+            objects = self._api_objects()
             volumes = write_volumes(pod.manifest, objects, pod.dir, self.workdir / "claims")
             self._launch(pod, container, launch(pod.manifest, container, objects, volumes, pod.ip))
 

@@ -177,11 +177,15 @@ def _key(data: dict[str, str], ref: dict[str, Any], kind: str) -> str:
     return data[ref["key"]]
 
 
-def write_volumes(pod: dict[str, Any], objects: Objects, pod_dir: Path, claims_dir: Path) -> dict[str, Path]:
-    """Each volume of the pod as a directory (or file) here: name -> path."""
+def write_volumes(pod: dict[str, Any], objects: Objects, pod_dir: Path, claims_dir: Path,
+                  only_projected: bool = False) -> dict[str, Path]:  # fmt: skip
+    """Each volume of the pod as a directory (or file) here: name -> path. `only_projected`: (re)write just the
+    ConfigMap and Secret volumes, each changed file replaced atomically."""
     out: dict[str, Path] = {}
     for volume in pod["spec"].get("volumes") or []:
         name = volume["name"]
+        if only_projected and "configMap" not in volume and "secret" not in volume:
+            continue
         if "configMap" in volume or "secret" in volume:
             if "configMap" in volume:
                 data = objects.config_map_data(volume["configMap"]["name"])
@@ -194,8 +198,12 @@ def write_volumes(pod: dict[str, Any], objects: Objects, pod_dir: Path, claims_d
             for key, path in [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]:
                 if key not in data:
                     raise PodError(f"volume {name}: no key {key!r}")
-                (folder / path).parent.mkdir(parents=True, exist_ok=True)
-                (folder / path).write_text(data[key])
+                target = folder / path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not target.exists() or target.read_text() != data[key]:
+                    staged = target.with_name(f".{target.name}.new")
+                    staged.write_text(data[key])
+                    staged.replace(target)  # the pod sees the folder (a bind mount), so the new file too
             out[name] = folder
         elif "emptyDir" in volume:
             out[name] = pod_dir / "volumes" / name
