@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -142,3 +143,36 @@ def test_operator_network_policy_allows_only_the_api_server_and_dns() -> None:
     (policy,) = [d for d in narrowed if d["kind"] == "NetworkPolicy"]
     assert policy["spec"]["egress"][0]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     assert not [d for d in render("--set", "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
+
+
+def test_notes_commands_give_the_examples_from_the_installed_chart(tmp_path: Path) -> None:
+    """NOTES.txt's commands, run with a real kubectl against an API holding the rendered chart, print the chart's
+    examples byte for byte (no placeholder URL, no copy of the chart needed)."""
+    import asyncio
+
+    from tests.helpers.kube import emulated_cluster, kubectl
+
+    notes = helm("install", "x", str(CHART), "--namespace", "glm5-system", "--dry-run=client").stdout
+    notes = notes[notes.index("NOTES:") :]
+    assert "https://..." not in notes
+    commands = re.findall(r"^\s+(kubectl -n \S+ get configmap .*?) \| kubectl apply -f -$", notes, re.M)
+    assert len(commands) == 2, notes
+    rendered = yaml.safe_load_all(helm("template", "x", str(CHART), "--namespace", "glm5-system").stdout)
+    (config_map,) = [d for d in rendered if d and d["metadata"]["name"] == "x-glm5-examples"]
+    (tmp_path / "cm.yaml").write_text(yaml.safe_dump(config_map))
+
+    async def go() -> list[str]:
+        async with emulated_cluster() as emulator:
+            server = str(emulator.url).rstrip("/")
+            await asyncio.to_thread(kubectl, server, "apply", "-f", str(tmp_path / "cm.yaml"), namespace="glm5-system")
+            outs = []
+            for command in commands:
+                args = shlex.split(command)[1:]  # as a shell would pass them
+                outs.append(await asyncio.to_thread(kubectl, server, *args[2:], namespace=args[1]))
+            return outs
+
+    demo, cpu = asyncio.run(go())
+    assert demo == (CHART / "examples" / "demo-data.yaml").read_text()
+    assert cpu == (CHART / "examples" / "cpu.yaml").read_text()
+    listed = re.search(r"The other examples: (.*)$", notes, re.M)
+    assert listed is not None and set(listed.group(1).split()) == {p.name for p in (CHART / "examples").glob("*.yaml")}
