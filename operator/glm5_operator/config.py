@@ -15,6 +15,7 @@ class OperatorConfig:
     namespace: str | None = None  # watch one namespace; None watches all
     retry_delay_s: float = 5.0  # TemporaryError delay while something the reconcile needs is missing
     worker_startup_seconds: int = 1800  # checkpoint loading budget for the startup probe
+    progress_interval_s: float = 15.0  # how often a running RLJob's trainer is asked for its progress
 
     def __post_init__(self) -> None:
         if not self.image:
@@ -23,6 +24,8 @@ class OperatorConfig:
             raise ValueError(
                 f"GLM5_IMAGE_PULL_POLICY must be Always, IfNotPresent or Never, not {self.image_pull_policy!r}"
             )
+        if self.progress_interval_s <= 0:
+            raise ValueError("GLM5_RLJOB_PROGRESS_SECONDS must be > 0")
         if self.worker_startup_seconds < 10:
             raise ValueError("GLM5_WORKER_STARTUP_SECONDS must be at least 10")
 
@@ -35,4 +38,5 @@ class OperatorConfig:
             namespace=env.get("GLM5_WATCH_NAMESPACE") or None,
             retry_delay_s=float(env.get("GLM5_RETRY_DELAY_SECONDS", "5")),
             worker_startup_seconds=int(env.get("GLM5_WORKER_STARTUP_SECONDS", "1800")),
+            progress_interval_s=float(env.get("GLM5_RLJOB_PROGRESS_SECONDS", "15")),
         )

@@ -5,6 +5,7 @@ same operator. The work is in reconcile.py.
   A bad spec -> Ready=False/InvalidSpec, a Warning Event, kopf.PermanentError; nothing is applied.
 - A child deleted -> its owner is reconciled again (the child comes back).
 - A StatefulSet, Deployment or worker pod changed -> the owner's status (and Ascend rank tables) is re-derived.
+- Every progress_interval_s, a running RLJob's status takes its trainer's progress (GET /status on the pod).
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ def build_registry(
         kopf.on.resume(GROUP, VERSION, plural, registry=registry, id="reconcile")(_reconcile)
         kopf.on.create(GROUP, VERSION, plural, registry=registry, id="reconcile")(_reconcile)
         kopf.on.update(GROUP, VERSION, plural, registry=registry, id="reconcile")(_reconcile)
+
+    @kopf.timer(GROUP, VERSION, "rljobs", registry=registry, id="progress", interval=config.progress_interval_s,
+                initial_delay=config.progress_interval_s)  # fmt: skip
+    def _progress(body: kopf.Body, **_: Any) -> None:
+        """A running job's trainer reports progress only when asked (it has no API access)."""
+        reconciler().refresh("RLJob", body.metadata.namespace or "", body.metadata.name or "")
 
     def _child_event(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
         owner = owner_of(dict(body))

@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import threading
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -276,6 +277,32 @@ class Reconciler:
         report = self._trainer_report(body)
         return report is not None and report.get("steps") == spec.trainer.steps
 
+    def _trainer_progress(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """Status fields from the running trainer's GET /status (None when it cannot be asked or does not answer:
+        the fields keep their last values)."""
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        pod = self.kube.get(Ref("v1", "Pod", ns, f"{child_name(name, 'trainer')}-0")) or {}
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or (pod.get("status") or {}).get("phase") != "Running":
+            return None
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{rl.TRAINER_STATUS_PORT}/status", timeout=2) as reply:
+                got = json.loads(reply.read(64 << 10))
+        except (OSError, ValueError) as exc:
+            log.debug("RLJob %s/%s: no progress from the trainer at %s: %s", ns, name, ip, exc)
+            return None
+        if not isinstance(got, dict):
+            return None
+        out: dict[str, Any] = {}
+        for key, field in (("steps", "trainedSteps"), ("policyVersion", "policyVersion")):
+            if isinstance(got.get(key), int) and not isinstance(got.get(key), bool):
+                out[field] = got[key]
+        if isinstance(got.get("lastSyncTime"), str) and len(got["lastSyncTime"]) <= 40:
+            out["lastSyncTime"] = got["lastSyncTime"]
+        if isinstance(got.get("phase"), str) and got["phase"].isalpha() and len(got["phase"]) <= 20:
+            out["trainerPhase"] = got["phase"]
+        return out
+
     def _trainer_report(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """The completion the trainer container wrote to its termination log, if it exited 0 with one."""
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -314,8 +341,9 @@ class Reconciler:
                           f"the trainer took the job's {steps} steps; the final version is {where}", gen),
                 condition("Ready", False, "Succeeded", "the job has finished: its workloads are scaled to zero", gen),
             ]  # fmt: skip
-            fields = {"phase": "Succeeded", "completedSteps": steps, "trustRegion": region, "checkpoint": checkpoint,
-                      "policyVersion": version if isinstance(version, int) else None}  # fmt: skip
+            fields = {"phase": "Succeeded", "completedSteps": steps, "trainedSteps": steps, "trustRegion": region,
+                      "checkpoint": checkpoint, "policyVersion": version if isinstance(version, int) else None,
+                      "trainerPhase": "done"}  # fmt: skip
             self._set_status(body, fields, conds)
             return
         gateway = rollout(self.kube.get(Ref("apps/v1", "Deployment", ns, child_name(name, "gateway"))),
@@ -346,6 +374,9 @@ class Reconciler:
         if spec.trainer.steps:
             conds.append(condition("Succeeded", False, "Training", f"training towards {spec.trainer.steps} steps", gen))
         fields = {"phase": "Running" if not waiting else "Pending", "completedSteps": None, "trustRegion": region}
+        progress = self._trainer_progress(body)
+        if progress is not None:
+            fields |= progress
         self._set_status(body, fields, conds)
 
     # -- shared ---------------------------------------------------------------------------------------

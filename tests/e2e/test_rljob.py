@@ -38,10 +38,21 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     (tmp_path / "rljob.yaml").write_text(yaml.safe_dump(job))
     await cluster.kubectl("apply", "-f", str(tmp_path / "rljob.yaml"))
 
-    await cluster.until(lambda: cluster.condition(RLJOBS, name, "Succeeded").get("status") == "True", 420,
-                        "the RLJob to succeed")  # fmt: skip
+    seen: list[dict[str, object]] = []  # the job's progress while it runs (kubectl get rljob: STEPS, POLICY-VERSION)
+
+    def succeeded() -> bool:
+        status = cluster.get(RLJOBS, name).get("status") or {}
+        if status.get("phase") == "Running":
+            seen.append({k: status.get(k) for k in ("trainedSteps", "policyVersion", "lastSyncTime")})
+        return cluster.condition(RLJOBS, name, "Succeeded").get("status") == "True"
+
+    await cluster.until(succeeded, 420, "the RLJob to succeed")
+    steps_seen = [s["trainedSteps"] for s in seen if isinstance(s["trainedSteps"], int)]
+    assert steps_seen == sorted(steps_seen), seen
+    # before the job ended, its status already showed the trainer's steps and the version it had pushed
+    assert any(s["trainedSteps"] and s["lastSyncTime"] and s["policyVersion"] for s in seen), seen
     status = cluster.get(RLJOBS, name)["status"]
-    assert status["phase"] == "Succeeded" and status["completedSteps"] == 2
+    assert status["phase"] == "Succeeded" and status["completedSteps"] == status["trainedSteps"] == 2
     version = status["policyVersion"]
     assert isinstance(version, int) and version >= 2  # at least one published version per step
 

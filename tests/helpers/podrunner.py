@@ -3,9 +3,9 @@ Jobs in the kmock API emulator as processes on this machine.
 
 Each pod gets its own 127.0.0.x address and its own mount namespace (tests/helpers/podns.py): its volumes at
 their mountPaths, Service names in its /etc/hosts. In a real pod 0.0.0.0 means the pod's own interfaces; here
-pods share the machine's network, so a container is told to listen on its pod address instead (`--host`
-appended to its args, which win over its config file). Readiness comes from the pod's probe (gRPC health or
-HTTP); pod and workload status are written back through the API, where the operator reads them; a container
+pods share the machine's network, so a container is told to listen on its pod address instead (`--host` or
+`--status-host` appended to its args, which win over its config file). Readiness comes from the pod's probe (gRPC
+health or HTTP); pod and workload status are written back through the API, where the operator reads them; a container
 that exits is started again per its restartPolicy and its termination message is reported.
 
 Claims are directories under workdir/claims, one per PersistentVolumeClaim, which must exist in the API (a
@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 # the kinds the controllers emulated here write, which the operator's own client never needs
 PLURALS.update({"Job": "jobs", "PersistentVolumeClaim": "persistentvolumeclaims"})
 ROOT = Path(__file__).resolve().parents[2]
-SERVING_COMMANDS = ("worker", "router", "tito-gateway")  # the programs that listen (and take --host)
+# the programs that listen, and their flag for the address to listen on
+LISTEN_FLAG = {"worker": "--host", "router": "--host", "tito-gateway": "--host", "trainer": "--status-host"}
 
 
 @dataclass
@@ -225,8 +226,8 @@ class PodRunner:
         args = run.argv
         if name in self.programs:
             args = [sys.executable, *self.programs[name]]
-        elif len(args) > 3 and args[3] in SERVING_COMMANDS:
-            args = [*args, "--host", pod.ip]  # this pod's address stands for its network namespace
+        elif len(args) > 3 and args[3] in LISTEN_FLAG:
+            args = [*args, LISTEN_FLAG[args[3]], pod.ip]  # this pod's address stands for its network namespace
         message_path = container.get("terminationMessagePath")
         mounts = list(run.mounts)
         if message_path:
@@ -292,7 +293,9 @@ class PodRunner:
                 except grpc.aio.AioRpcError:
                     return False
             elif "httpGet" in probe:
-                url = f"http://{pod.ip}:{probe['httpGet']['port']}{probe['httpGet'].get('path', '/')}"
+                port = probe["httpGet"]["port"]
+                named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
+                url = f"http://{pod.ip}:{named.get(port, port)}{probe['httpGet'].get('path', '/')}"
                 try:
                     await asyncio.to_thread(urllib.request.urlopen, url, None, 1)
                 except OSError:

@@ -148,8 +148,10 @@ def glm5deployment_crd() -> dict[str, Any]:
 def rljob_crd() -> dict[str, Any]:
     columns: list[dict[str, Any]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-        {"name": "Steps", "type": "integer", "jsonPath": ".status.completedSteps"},
+        {"name": "Steps", "type": "integer", "jsonPath": ".status.trainedSteps"},
+        {"name": "Target", "type": "integer", "jsonPath": ".spec.trainer.steps"},
         {"name": "Policy-Version", "type": "integer", "jsonPath": ".status.policyVersion"},
+        {"name": "Last-Sync", "type": "date", "jsonPath": ".status.lastSyncTime"},
         {"name": "Checkpoint", "type": "string", "jsonPath": ".status.checkpoint.claim", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]

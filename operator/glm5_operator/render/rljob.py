@@ -28,6 +28,7 @@ GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
 TRAINER_FILE = "trainer.json"  # `glm5 trainer --config`
 RL_DIR = "/etc/glm5/rl"
 CHECKPOINT_DIR = WEIGHTS_ROOT
+TRAINER_STATUS_PORT = 8081  # `glm5 trainer --status-port`: GET /status (the operator polls it), /healthz
 TERMINATION_LOG = "/dev/termination-log"  # the container's termination message (Kubernetes' default path)
 
 
@@ -69,6 +70,8 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "max-new-tokens": t.max_new_tokens,
         "eval-size": t.eval_size,
         "completion-file": TERMINATION_LOG,
+        "status-port": TRAINER_STATUS_PORT,
+        "status-host": ALL_INTERFACES,
         "learning-rate": t.learning_rate,
         "task-preset": t.task_preset,
         "eps-low": eps_low,
@@ -221,6 +224,9 @@ def trainer_stateful_set(
     admin, admin_mount = admin_volume(client_of)  # the token of the workers it pushes weights to
     template["spec"]["volumes"].append(admin)
     trainer["volumeMounts"].append(admin_mount)
+    trainer["ports"] = [{"name": "status", "containerPort": TRAINER_STATUS_PORT, "protocol": "TCP"}]
+    trainer["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": "status"}, "periodSeconds": 10,
+                                 "failureThreshold": 3}  # fmt: skip
     trainer["terminationMessagePath"] = TERMINATION_LOG
     trainer["terminationMessagePolicy"] = "File"
     return {

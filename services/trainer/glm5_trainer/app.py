@@ -14,6 +14,7 @@ from glm5.security import add_tls_arguments, admin_token_from_args, tls_from_arg
 
 from glm5_trainer.loop import MODES, Result, RLConfig, RLRun
 from glm5_trainer.loss import PRESETS, TrustRegion
+from glm5_trainer.status import serve_status
 from glm5_trainer.versions import TRANSPORTS
 
 
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=d.job, help="prefix of rollout ids")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--status-port", type=int, default=0,
+                   help="serve GET /status (progress as JSON) and /healthz on this port (0: off)")  # fmt: skip
+    p.add_argument("--status-host", default="127.0.0.1", help="address of the status endpoint")
     add_tls_arguments(p)
     g = p.add_argument_group("weight pushes (docs/security.md)")
     g.add_argument("--admin-token-file", help="file holding the engines' admin token, sent with UpdateWeights")
@@ -116,6 +120,11 @@ def run(a: argparse.Namespace) -> None:
         run = RLRun(config)
         for sig in (signal.SIGTERM, signal.SIGINT):  # a deleted pod or Ctrl-C: finish the step, publish, stop
             asyncio.get_running_loop().add_signal_handler(sig, run.request_stop)
-        return await run.run()
+        status = await serve_status(a.status_host, a.status_port, run.progress) if a.status_port else None
+        try:
+            return await run.run()
+        finally:
+            if status is not None:
+                await status.cleanup()
 
     print(report(asyncio.run(main())), flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import datetime
 import itertools
 import json
 import logging
@@ -169,6 +170,14 @@ class RLRun:
         self._buffer: RedisBuffer | None = None
         self._producer: ProducerProcess | None = None
         self._stop_requested = False
+        self.phase = "starting"  # starting, evaluating, training, finishing, done
+        self.last_sync_time: str | None = None  # when a version last reached the engines (UTC, RFC 3339)
+        self.pushed_version: int | None = None  # the version the engines last took
+
+    def progress(self) -> dict[str, Any]:
+        """What GET /status reports (the RLJob's status follows it)."""
+        return {"phase": self.phase, "steps": self.versions.steps, "targetSteps": self.c.steps,
+                "policyVersion": self.pushed_version, "lastSyncTime": self.last_sync_time}  # fmt: skip
 
     def request_stop(self) -> None:
         """Finish the current step, publish and push it, and end the run (SIGTERM on a trainer pod)."""
@@ -328,6 +337,8 @@ class RLRun:
         if not times:
             raise RuntimeError(f"the weight push of v{version} failed on every engine")
         self.sync_seconds.append(max(times))
+        self.pushed_version = version
+        self.last_sync_time = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -352,6 +363,7 @@ class RLRun:
         async with secure_channel(self.c.gateway, self.c.tls) as channel:
             self.gateway = tito_pb2_grpc.TitoGatewayStub(channel)  # type: ignore[no-untyped-call]
             await self.adopt_engines()
+            self.phase = "evaluating"
             before = await self.evaluate()
             log.info("held-out accuracy before RL: %s", before)
             self.driver.gateway = self.gateway
@@ -361,6 +373,7 @@ class RLRun:
             bar = tqdm(total=self.c.steps or None, initial=self.versions.steps, desc=f"RL ({self.c.mode})", unit="step",
                        disable=not self.c.progress)  # fmt: skip
             start = time.perf_counter()
+            self.phase = "training"
             try:
                 for step in itertools.count(1):
                     if self._stop_requested or self.complete:
@@ -373,6 +386,7 @@ class RLRun:
                     stats = await asyncio.to_thread(self.policy.step, samples)
                     phases = {"wait_seconds": round(t1 - t0, 4), "step_seconds": round(time.perf_counter() - t1, 4)}
                     await self._after_step(step, stats, samples, start, bar, phases)
+                self.phase = "finishing"
                 if self._pushing is not None:
                     await self._pushing
                 if self.versions.synced < self.versions.latest:
@@ -389,8 +403,10 @@ class RLRun:
                     self.counters.update(self._producer.counters)
                 await asyncio.to_thread(self.policy.wait_saved)
                 self.counters.update(self.driver.counters)
+            self.phase = "evaluating"
             after = await self.evaluate()
             log.info("held-out accuracy after RL: %s", after)
+        self.phase = "done"
         result = Result(
             accuracy_before=before, accuracy_after=after, train_seconds=train_seconds,
             trained_samples=len(self.history) * self.c.groups_per_step * self.c.group_size,

@@ -17,6 +17,7 @@ from glm5_operator.api import parse_deployment, parse_rljob
 from glm5_operator.config import OperatorConfig
 from glm5_operator.kube import PLURALS
 from glm5_operator.render import deployment_children, rljob_children
+from glm5_operator.render.rljob import TRAINER_STATUS_PORT
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "glm5"
@@ -133,12 +134,20 @@ def test_every_value_is_documented_and_typed() -> None:
             assert node.get("description"), f"{leaf}: no description in values.schema.json"
 
 
-def test_operator_network_policy_allows_only_the_api_server_and_dns() -> None:
+def test_operator_network_policy_allows_only_the_api_server_dns_and_trainer_status() -> None:
     docs = render()
     (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["spec"]["ingress"] == []
     ports = sorted((p["protocol"], p["port"]) for rule in policy["spec"]["egress"] for p in rule["ports"])
-    assert ports == [("TCP", 53), ("TCP", 443), ("TCP", 6443), ("UDP", 53)]
+    assert ports == [("TCP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", TRAINER_STATUS_PORT), ("UDP", 53)]
+    (trainers,) = [r for r in policy["spec"]["egress"] if r["ports"] == [{"protocol": "TCP", "port": 8081}]]
+    (peer,) = trainers["to"]  # trainer pods only (the labels the operator renders on them), in any namespace
+    job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {}}, "dataset": {"uri": "/d"}})
+    trainer = next(
+        c.manifest for c in rljob_children("y", "ns", job, OperatorConfig(), None) if c.kind == "StatefulSet"
+    )
+    labels = trainer["spec"]["template"]["metadata"]["labels"]
+    assert peer["namespaceSelector"] == {} and peer["podSelector"]["matchLabels"].items() <= labels.items()
     narrowed = render("--set", "networkPolicy.apiServerCIDRs={10.0.0.1/32}")
     (policy,) = [d for d in narrowed if d["kind"] == "NetworkPolicy"]
     assert policy["spec"]["egress"][0]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
