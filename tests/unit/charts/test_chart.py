@@ -144,7 +144,7 @@ def test_operator_network_policy_allows_only_the_api_server_dns_and_trainer_stat
     (peer,) = trainers["to"]  # trainer pods only (the labels the operator renders on them), in any namespace
     job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {}}, "dataset": {"uri": "/d"}})
     trainer = next(
-        c.manifest for c in rljob_children("y", "ns", job, OperatorConfig(), None) if c.kind == "StatefulSet"
+        c.manifest for c in rljob_children("y", "ns", job, OperatorConfig(), None) if c.name == "y-trainer"
     )
     labels = trainer["spec"]["template"]["metadata"]["labels"]
     assert peer["namespaceSelector"] == {} and peer["podSelector"]["matchLabels"].items() <= labels.items()
