@@ -143,9 +143,7 @@ def test_operator_network_policy_allows_only_the_api_server_dns_and_trainer_stat
     (trainers,) = [r for r in policy["spec"]["egress"] if r["ports"] == [{"protocol": "TCP", "port": 8081}]]
     (peer,) = trainers["to"]  # trainer pods only (the labels the operator renders on them), in any namespace
     job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {}}, "dataset": {"uri": "/d"}})
-    trainer = next(
-        c.manifest for c in rljob_children("y", "ns", job, OperatorConfig(), None) if c.name == "y-trainer"
-    )
+    trainer = next(c.manifest for c in rljob_children("y", "ns", job, OperatorConfig(), None) if c.name == "y-trainer")
     labels = trainer["spec"]["template"]["metadata"]["labels"]
     assert peer["namespaceSelector"] == {} and peer["podSelector"]["matchLabels"].items() <= labels.items()
     narrowed = render("--set", "networkPolicy.apiServerCIDRs={10.0.0.1/32}")
