@@ -47,6 +47,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072,
     ),
 }
+# The tiny model with the attention geometry llama.cpp's GLM-DSA port accepts (its lightning indexer needs
+# index_head_dim >= 64; kv_lora_rank 512 and a 64-wide RoPE part as in GLM-5): the decode-latency comparison's model.
+PRESETS["tiny-dsa64"] = {
+    **PRESETS["tiny"],
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 64,
+}
 PRESETS["tiny-shallow"] = {
     **PRESETS["tiny"],
     "num_hidden_layers": 2,

@@ -1,0 +1,297 @@
+"""One user's decode latency: time per generated token at batch 1 after a 1K-token context, offline (the engine)
+and through `glm5 serve` (HTTP streaming, one client), and where a decode step's time goes (issue 20).
+
+The model is `glm5 init-model --preset tiny-dsa64` (the tiny model with the attention geometry llama.cpp's GLM-DSA
+port accepts: index_head_dim 64, kv_lora_rank 512, RoPE 64), float32, greedy, EOS ignored.
+
+Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 3] [--threads 2]
+                                           [--serve] [--profile] [--llama-bench PATH --gguf FILE]
+
+- offline: per-step wall time of `Engine.step()` for the decode steps (the prefill step is timed apart);
+- --serve: `glm5 serve` on the same checkpoint; a streamed /v1/completions with the same token ids; the gaps
+  between SSE chunks as the client reads them (its time between tokens) and the time to the first one;
+- --profile: one more offline run with the step's parts timed (the engine's phases, the model's parts, the DSA
+  kernels; nested, so a part's time includes the parts inside it) and the ATen ops one decode step dispatches;
+- --llama-bench PATH --gguf FILE: llama.cpp's `llama-bench -p 0 -n NEW -d CONTEXT` on the same weights converted
+  to GGUF (docs/benchmarks.md says how), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import http.client
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from glm5.model.presets import init_model
+from glm5_worker.config import EngineConfig
+from glm5_worker.engine.engine import Engine
+from glm5_worker.engine.sequence import SamplingParams
+
+PRESET = "tiny-dsa64"
+
+
+def context_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, vocab - 64) for _ in range(n)]  # clear of the special tokens at both ends
+
+
+def new_engine(model: Path) -> Engine:
+    return Engine(EngineConfig(model=str(model), max_model_len=4096, kv_cache_bytes=256 << 20, kv_int8_tier=False))
+
+
+def offline(
+    engine: Engine, ids: list[int], new: int, tag: str, parts: Parts | None = None
+) -> tuple[float, list[float]]:
+    """(prefill seconds, seconds of each decode step) for one request at batch 1; `parts` timed in decode steps."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    engine.add_request(tag, None, ids, params)
+    steps: list[float] = []
+    while engine.has_work:
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+        if parts is not None:
+            parts.on = True  # from the first decode step on
+    if parts is not None:
+        parts.on = False
+    return steps[0], steps[1:]
+
+
+def warm(engine: Engine, ids: list[int]) -> None:
+    offline(engine, ids[:128], 8, "warm")
+
+
+# -- where the time goes ---------------------------------------------------------------------------------------
+
+
+class Parts:
+    """Inclusive wall time per labelled call, for calls made while `on`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+        self.on = False
+
+    def wrap(self, obj: Any, attr: str, label: str) -> None:
+        inner = getattr(obj, attr)
+
+        @functools.wraps(inner)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return inner(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - start
+                self.calls[label] += 1
+
+        setattr(obj, attr, timed)
+
+
+def instrument(engine: Engine) -> Parts:
+    parts = Parts()
+    parts.wrap(engine, "step", "step (all)")
+    parts.wrap(engine.scheduler, "schedule", "engine: schedule")
+    parts.wrap(engine, "_plan", "engine: plan (ids, slots, tables)")
+    parts.wrap(engine.runner, "batch", "runner: batch tensors")
+    parts.wrap(engine.runner, "execute", "runner: execute (batch + forward)")
+    parts.wrap(engine.outputs, "process", "outputs: process (sampler, stops, detok)")
+    parts.wrap(engine.sampler, "sample", "outputs: sampler")
+    parts.wrap(engine.outputs, "drain", "outputs: drain")
+    parts.wrap(engine.blocks, "register_full_blocks", "blocks: register")
+    model = engine.runner.model
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts.wrap(attn, "forward", "model: attention (all)")
+        if attn.indexer is not None:
+            parts.wrap(attn.indexer, "project", "model: indexer projections")
+        parts.wrap(mlp, "forward", f"model: {'MoE' if hasattr(mlp, 'experts') else 'dense MLP'} (all)")
+        if hasattr(mlp, "experts"):
+            parts.wrap(mlp.gate, "forward", "model: MoE router")
+            parts.wrap(mlp.experts, "forward", "model: MoE routed experts")
+            parts.wrap(mlp.shared_experts, "forward", "model: MoE shared expert")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            parts.wrap(norm, "forward", "model: RMSNorm")
+        del i
+    parts.wrap(model.lm_head, "forward", "model: lm_head")
+    for name in ("index_scores", "index_scores_flat", "topk", "sparse_mla", "dense_mla", "gather"):
+        if hasattr(engine.kernels, name):
+            parts.wrap(engine.kernels, name, f"kernels: {name}")
+    return parts
+
+
+def ops_per_decode_step(engine: Engine, ids: list[int]) -> tuple[int, list[tuple[str, int, float]]]:
+    """ATen ops one decode step dispatches, and the top ones by self CPU time (name, count, microseconds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    engine.add_request("ops", None, ids, params)
+    engine.step()  # prefill
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    while engine.has_work:
+        engine.step()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.count for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    return total, [(e.key, e.count, e.self_cpu_time_total) for e in top]
+
+
+# -- through glm5 serve ----------------------------------------------------------------------------------------
+
+
+@contextmanager
+def serve(model: Path, threads: int) -> Iterator[str]:
+    http_port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "glm5_cli", "serve", "--model", str(model), "--http-port", str(http_port),
+           "--grpc-port", str(grpc_port), "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-bytes=256MiB",
+           "--worker-arg=--no-kv-int8-tier"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{base}/health", timeout=2) as r:
+                    if json.load(r).get("status") == "ok":
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("glm5 serve did not become healthy")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stream_gaps(base: str, ids: list[int], new: int) -> tuple[float, list[float]]:
+    """(time to the first chunk, gaps between chunks) of a streamed completion, as the client reads them."""
+    body = json.dumps({"model": "m", "prompt": ids, "max_tokens": new, "temperature": 0, "stream": True,
+                       "ignore_eos": True})  # fmt: skip
+    host, port = base.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    arrivals = []
+    for line in resp:
+        if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+            arrivals.append(time.perf_counter())
+    conn.close()
+    return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
+
+
+def llama_bench(path: str, gguf: str, context: int, new: int, threads: int) -> float:
+    """llama.cpp's generation speed (tokens/s) after `context` tokens."""
+    out = subprocess.run([path, "-m", gguf, "-p", "0", "-n", str(new), "-d", str(context), "-t", str(threads),
+                          "-o", "json"], capture_output=True, text=True, check=True, timeout=1800)  # fmt: skip
+    rows = json.loads(out.stdout)
+    return float(rows[0]["avg_ts"])
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+
+
+def ms(xs: list[float], q: float = 0.5) -> float:
+    xs = sorted(xs)
+    return 1000 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--llama-bench")
+    ap.add_argument("--gguf")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_model(Path(tmp) / "m", preset=PRESET, seed=0)
+        engine = new_engine(model)
+        vocab = engine.model_config.vocab_size
+        ids = context_ids(vocab, a.context)
+        warm(engine, ids)
+        print(f"model {PRESET}, float32, {a.threads} threads, context {a.context}, {a.new} new tokens, greedy")
+        print("\n| run | prefill tok/s | decode ms/token p50 | p90 | tok/s |\n|---:|---:|---:|---:|---:|")
+        all_steps: list[float] = []
+        for run in range(a.runs):
+            prefill, steps = offline(engine, ids, a.new, f"r{run}")
+            all_steps += steps
+            print(f"| {run + 1} | {a.context / prefill:,.0f} | {ms(steps):.2f} | {ms(steps, 0.9):.2f} | "
+                  f"{1000 / ms(steps):.0f} |")  # fmt: skip
+        offline_ms = ms(all_steps)
+        print(f"\noffline median over runs: {offline_ms:.2f} ms/token")
+
+        if a.profile:
+            parts = instrument(engine)
+            _, steps = offline(engine, ids, a.new, "profiled", parts)
+            n = parts.calls["step (all)"]
+            step_ms = 1000 * parts.seconds["step (all)"] / n
+            print(f"\nparts of a decode step, averaged over {n} steps; instrumented step {step_ms:.2f} ms "
+                  f"(uninstrumented {ms(all_steps):.2f}: the wrappers cost the difference)\n")  # fmt: skip
+            print("| part | ms/step | calls/step |\n|---|---:|---:|")
+            for label, secs in sorted(parts.seconds.items(), key=lambda kv: -kv[1]):
+                print(f"| {label} | {1000 * secs / n:.3f} | {parts.calls[label] / n:.1f} |")
+            total, top = ops_per_decode_step(new_engine(model), ids)
+            print(f"\nATen ops dispatched by one decode step: {total}\n")
+            print("| op | calls | self CPU us |\n|---|---:|---:|")
+            for name, count, us in top:
+                print(f"| {name} | {count} | {us:.0f} |")
+
+        if a.serve:
+            del engine
+            with serve(model, a.threads) as base:
+                stream_gaps(base, ids[:128], 8)  # warm-up
+                gaps: list[float] = []
+                print("\n| run | TTFT ms | time between tokens p50 ms | p90 ms |\n|---:|---:|---:|---:|")
+                for run in range(a.runs):
+                    ttft, g = stream_gaps(base, ids, a.new)
+                    gaps += g
+                    print(f"| {run + 1} | {1000 * ttft:.0f} | {ms(g):.2f} | {ms(g, 0.9):.2f} |")
+            served_ms = ms(gaps)
+            print(f"\nthrough glm5 serve: {served_ms:.2f} ms/token; offline {offline_ms:.2f}; "
+                  f"the stack adds {served_ms - offline_ms:.2f} ms/token")  # fmt: skip
+
+        if a.llama_bench:
+            if not a.gguf:
+                raise SystemExit("--llama-bench needs --gguf (the same weights converted to GGUF)")
+            tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
+            print(f"\nllama.cpp: {1000 / tps:.2f} ms/token ({tps:.0f} tok/s); ours offline / llama.cpp: "
+                  f"{offline_ms / (1000 / tps):.2f}x the time")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
