@@ -158,7 +158,8 @@ def ops_per_decode_step(engine: Engine, ids: list[int]) -> tuple[int, list[tuple
 
 
 @contextmanager
-def serve(model: Path, threads: int) -> Iterator[str]:
+def serve(model: Path, threads: int) -> Iterator[tuple[str, str, str]]:
+    """(router HTTP, router gRPC, the worker's gRPC) addresses of a `glm5 serve` with one worker."""
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "glm5_cli", "serve", "--model", str(model), "--http-port", str(http_port),
@@ -178,7 +179,9 @@ def serve(model: Path, threads: int) -> Iterator[str]:
             time.sleep(0.5)
         else:
             raise RuntimeError("glm5 serve did not become healthy")
-        yield base
+        with urllib.request.urlopen(f"http://{base}/health", timeout=5) as r:
+            (worker,) = [w["address"] for w in json.load(r)["workers"]]
+        yield base, f"127.0.0.1:{grpc_port}", worker
     finally:
         proc.terminate()
         proc.wait(30)
@@ -207,6 +210,25 @@ def stream_gaps(base: str, ids: list[int], new: int) -> tuple[float, list[float]
         if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
             arrivals.append(time.perf_counter())
     conn.close()
+    return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
+
+
+def grpc_gaps(target: str, ids: list[int], new: int, via_router: bool) -> tuple[float, list[float]]:
+    """The same request as a gRPC stream straight from a worker (or the router's gRPC API): one hop fewer each."""
+    import grpc
+    from glm5.client import sampling
+    from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    request = worker_pb2.GenerateRequest(
+        prompt_token_ids=ids, sampling=sampling(max_new_tokens=new, temperature=0, ignore_eos=True)
+    )
+    with grpc.insecure_channel(target) as ch:
+        if via_router:
+            stream = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.RouterGenerateRequest(request=request))
+        else:
+            stream = worker_pb2_grpc.WorkerStub(ch).Generate(request)
+        start = time.perf_counter()
+        arrivals = [time.perf_counter() for r in stream if r.token_ids]
     return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
 
 
@@ -273,17 +295,27 @@ def main() -> None:
 
         if a.serve:
             del engine
-            with serve(model, a.threads) as base:
-                stream_gaps(base, ids[:128], 8)  # warm-up
-                gaps: list[float] = []
-                print("\n| run | TTFT ms | time between tokens p50 ms | p90 ms |\n|---:|---:|---:|---:|")
+            hops: dict[str, list[float]] = collections.defaultdict(list)
+            with serve(model, a.threads) as (base, router_grpc, worker):
+                clients: dict[str, Any] = {
+                    "worker gRPC stream": lambda n: grpc_gaps(worker, ids, n, via_router=False),
+                    "router gRPC stream": lambda n: grpc_gaps(router_grpc, ids, n, via_router=True),
+                    "router HTTP SSE (/v1/completions)": lambda n: stream_gaps(base, ids, n),
+                }
+                for client in clients.values():
+                    client(8)  # warm-up
+                print("\n| client | run | TTFT ms | time between tokens p50 ms | p90 ms |\n|---|---:|---:|---:|---:|")
                 for run in range(a.runs):
-                    ttft, g = stream_gaps(base, ids, a.new)
-                    gaps += g
-                    print(f"| {run + 1} | {1000 * ttft:.0f} | {ms(g):.2f} | {ms(g, 0.9):.2f} |")
-            served_ms = ms(gaps)
-            print(f"\nthrough glm5 serve: {served_ms:.2f} ms/token; offline {offline_ms:.2f}; "
-                  f"the stack adds {served_ms - offline_ms:.2f} ms/token")  # fmt: skip
+                    for name, client in clients.items():  # interleaved, so drift hits every hop alike
+                        ttft, g = client(a.new)
+                        hops[name] += g
+                        print(f"| {name} | {run + 1} | {1000 * ttft:.0f} | {ms(g):.2f} | {ms(g, 0.9):.2f} |")
+            print(f"\n| where | ms/token (median) | added by this hop |\n|---|---:|---:|\n| engine offline | "
+                  f"{offline_ms:.2f} | |")  # fmt: skip
+            before = offline_ms
+            for name, g in hops.items():
+                print(f"| {name} | {ms(g):.2f} | {ms(g) - before:+.2f} |")
+                before = ms(g)
 
         if a.llama_bench:
             if not a.gguf:

@@ -74,7 +74,7 @@ async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     async with emulated_cluster() as emulator:
         server = str(emulator.url).rstrip("/")
         kube = Kube.for_server(server)
-        operator = await OperatorThread.start(OperatorConfig(retry_delay_s=0.3, progress_interval_s=1.0), server)
+        operator = await OperatorThread.start(OperatorConfig(retry_delay_s=0.3, progress_interval_s=0.5), server)
         runner = PodRunner(emulator, kube, NAMESPACE, tmp_path, **(marker.kwargs if marker else {}))
         await runner.start()
         try:

@@ -172,7 +172,7 @@ class RLRun:
         self._stop_requested = False
         self.phase = "starting"  # starting, evaluating, training, finishing, done
         self.last_sync_time: str | None = None  # when a version last reached the engines (UTC, RFC 3339)
-        self.pushed_version: int | None = None  # the version the engines last took
+        self.pushed_version: int | None = None  # the version the engines serve (None: not asked yet)
 
     def progress(self) -> dict[str, Any]:
         """What GET /status reports (the RLJob's status follows it)."""
@@ -270,7 +270,8 @@ class RLRun:
         every engine serves the weights this run's staleness accounting assumes."""
         served = max((await self.live_engines()).values())
         if served == self.versions.latest:
-            return  # a fresh start on fresh engines, or a resume on engines that serve the resumed version
+            self.pushed_version = served  # a fresh start on fresh engines, or a resume on ones serving it
+            return
         self.versions.latest = max(served + 1, self.versions.latest)
         published = self.versions.publish()
         self.policy.save_state(self.state_path, self.versions.synced)
