@@ -228,7 +228,7 @@ def grpc_gaps(target: str, ids: list[int], new: int, via_router: bool) -> tuple[
         else:
             stream = worker_pb2_grpc.WorkerStub(ch).Generate(request)
         start = time.perf_counter()
-        arrivals = [time.perf_counter() for r in stream if r.token_ids]
+        arrivals = [time.perf_counter() for r in stream if (r.response if via_router else r).token_ids]
     return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
 
 
