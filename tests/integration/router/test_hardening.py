@@ -87,8 +87,9 @@ def test_oversized_requests_are_refused_with_bounded_memory(stack: dict[str, Any
         "2M-char-prompt": ("/v1/completions", {**chat, "prompt": "x " * 999_000}, 400),  # under the body limit
     }[name]  # fmt: skip
     before = _rss(stack["router_pid"])
+    content = json.dumps(body).encode()  # before the watch: encoding 31 MB holds this process's GIL for a while
     with HealthWatch(stack["base"]) as watch:
-        resp = _post(stack, path, body)
+        resp = _post(stack, path, content)
     assert resp.status_code == status, resp.text[:300]
     assert resp.json()["error"]["message"]
     growth = _rss(stack["router_pid"]) - before
