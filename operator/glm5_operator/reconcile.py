@@ -277,11 +277,15 @@ class Reconciler:
         report = self._trainer_report(body)
         return report is not None and report.get("steps") == spec.trainer.steps
 
+    def _trainer_pod(self, body: dict[str, Any]) -> dict[str, Any]:
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        return self.kube.get(Ref("v1", "Pod", ns, f"{child_name(name, 'trainer')}-0")) or {}
+
     def _trainer_progress(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """Status fields from the running trainer's GET /status (None when it cannot be asked or does not answer:
         the fields keep their last values)."""
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        pod = self.kube.get(Ref("v1", "Pod", ns, f"{child_name(name, 'trainer')}-0")) or {}
+        pod = self._trainer_pod(body)
         ip = (pod.get("status") or {}).get("podIP")
         if not ip or (pod.get("status") or {}).get("phase") != "Running":
             return None
@@ -305,8 +309,7 @@ class Reconciler:
 
     def _trainer_report(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """The completion the trainer container wrote to its termination log, if it exited 0 with one."""
-        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        pod = self.kube.get(Ref("v1", "Pod", ns, f"{child_name(name, 'trainer')}-0")) or {}
+        pod = self._trainer_pod(body)
         for cs in (pod.get("status") or {}).get("containerStatuses") or []:
             for state in (cs.get("state") or {}, cs.get("lastState") or {}):
                 done = state.get("terminated") or {}

@@ -77,6 +77,14 @@ async def _receive_files(
     index, written = 0, 0
     digest = hashlib.sha256()
     out: IO[bytes] | None = await asyncio.to_thread(open, staged / files[0].name, "wb")
+
+    async def close_complete_files() -> None:
+        """Every file whose declared bytes are all written (empty ones too) is closed and checked."""
+        nonlocal out, index, written, digest
+        while index < len(files) and written == files[index].size:
+            out = await _finish(out, digest, files[index], staged, files[index + 1 :])
+            index, written, digest = index + 1, 0, hashlib.sha256()
+
     try:
         async for chunk in chunks:
             if chunk.WhichOneof("part") != "data":
@@ -85,18 +93,14 @@ async def _receive_files(
             if len(data) > MAX_CHUNK_BYTES:
                 raise InvalidRequestError("data", f"chunks of at most {MAX_CHUNK_BYTES} bytes")
             while data:
-                while index < len(files) and written == files[index].size:
-                    out = await _finish(out, digest, files[index], staged, files[index + 1 :])
-                    index, written, digest = index + 1, 0, hashlib.sha256()
+                await close_complete_files()
                 if index == len(files):
                     raise InvalidRequestError("data", "more bytes than the header's files declare")
                 take = data[: files[index].size - written]
                 await asyncio.to_thread(_write, out, digest, take)
                 written += len(take)
                 data = data[len(take) :]
-        while index < len(files) and written == files[index].size:
-            out = await _finish(out, digest, files[index], staged, files[index + 1 :])
-            index, written, digest = index + 1, 0, hashlib.sha256()
+        await close_complete_files()
         if index < len(files):
             raise InvalidRequestError("data", f"the stream ended inside {files[index].name} ({written} of "
                                       f"{files[index].size} bytes)")  # fmt: skip
