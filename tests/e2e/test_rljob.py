@@ -49,9 +49,9 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     await cluster.until(succeeded, 420, "the RLJob to succeed")
     steps_seen = [s["trainedSteps"] for s in seen if isinstance(s["trainedSteps"], int)]
     assert steps_seen == sorted(steps_seen), seen
-    # before the job ended, its status already showed the trainer's steps and the version the engines served
-    # (which push a poll catches is a race: the pushes of a job this small take well under the poll interval)
-    assert any(s["trainedSteps"] and isinstance(s["policyVersion"], int) for s in seen), seen
+    # before the job ended, its status already showed what the running trainer reported (how many steps a poll
+    # catches mid-run is a race: a job this small trains its 2 steps faster than polls come on a loaded machine)
+    assert any(isinstance(s["trainedSteps"], int) and isinstance(s["policyVersion"], int) for s in seen), seen
     status = cluster.get(RLJOBS, name)["status"]
     assert status["phase"] == "Succeeded" and status["completedSteps"] == status["trainedSteps"] == 2
     version = status["policyVersion"]
