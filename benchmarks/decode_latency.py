@@ -7,11 +7,12 @@ port accepts: index_head_dim 64, kv_lora_rank 512, RoPE 64), float32, greedy, EO
 Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 3] [--threads 2]
                                            [--serve] [--profile] [--llama-bench PATH --gguf FILE]
 
-- offline: per-step wall time of `Engine.step()` for the decode steps (the prefill step is timed apart);
+- offline: per-step wall time of `Engine.step()` for the decode steps (the prefill step is timed apart), with
+  the decode steps compiled (as `glm5 worker` runs by default) and eager (--enforce-eager), runs interleaved;
 - --serve: `glm5 serve` on the same checkpoint; a streamed /v1/completions with the same token ids; the gaps
   between SSE chunks as the client reads them (its time between tokens) and the time to the first one;
-- --profile: one more offline run with the step's parts timed (the engine's phases, the model's parts, the DSA
-  kernels; nested, so a part's time includes the parts inside it) and the ATen ops one decode step dispatches;
+- --profile: one more offline run with the compiled step's phases timed (nested, so a part's time includes the
+  parts inside it) and the ATen ops one eager decode step dispatches;
 - --llama-bench PATH --gguf FILE: llama.cpp's `llama-bench -p 0 -n NEW -d CONTEXT` on the same weights converted
   to GGUF (docs/benchmarks.md says how), and the ratio.
 """
@@ -50,8 +51,11 @@ def context_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(16, vocab - 64) for _ in range(n)]  # clear of the special tokens at both ends
 
 
-def new_engine(model: Path) -> Engine:
-    return Engine(EngineConfig(model=str(model), max_model_len=4096, kv_cache_bytes=256 << 20, kv_int8_tier=False))
+def new_engine(model: Path, eager: bool = False) -> Engine:
+    """The engine as `glm5 worker` runs it: decode steps compiled at start-up unless `eager`."""
+    config = EngineConfig(model=str(model), max_model_len=4096, kv_cache_bytes=256 << 20, kv_int8_tier=False,
+                          enforce_eager=eager)  # fmt: skip
+    return Engine(config)
 
 
 def offline(
@@ -104,7 +108,8 @@ class Parts:
         setattr(obj, attr, timed)
 
 
-def instrument(engine: Engine) -> Parts:
+def instrument(engine: Engine, model_parts: bool = True) -> Parts:
+    """Wraps the engine's phases (and, eagerly, the model's parts: a compiled step does not call them)."""
     parts = Parts()
     parts.wrap(engine, "step", "step (all)")
     parts.wrap(engine.scheduler, "schedule", "engine: schedule")
@@ -115,6 +120,8 @@ def instrument(engine: Engine) -> Parts:
     parts.wrap(engine.sampler, "sample", "outputs: sampler")
     parts.wrap(engine.outputs, "drain", "outputs: drain")
     parts.wrap(engine.blocks, "register_full_blocks", "blocks: register")
+    if not model_parts:
+        return parts
     model = engine.runner.model
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -262,23 +269,33 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "m", preset=PRESET, seed=0)
+        start = time.perf_counter()
         engine = new_engine(model)
+        compiled = engine.runner.compiled
+        print(f"compiled engine started in {time.perf_counter() - start:.1f} s "
+              f"(compiling {compiled.compile_seconds if compiled else 0:.1f} s)")  # fmt: skip
+        engines = {"eager": new_engine(model, eager=True), "compiled": engine}
         vocab = engine.model_config.vocab_size
         ids = context_ids(vocab, a.context)
-        warm(engine, ids)
+        for e in engines.values():
+            warm(e, ids)
         print(f"model {PRESET}, float32, {a.threads} threads, context {a.context}, {a.new} new tokens, greedy")
-        print("\n| run | prefill tok/s | decode ms/token p50 | p90 | tok/s |\n|---:|---:|---:|---:|---:|")
-        all_steps: list[float] = []
+        print("\n| engine | run | prefill tok/s | decode ms/token p50 | p90 | tok/s |\n|---|---:|---:|---:|---:|---:|")
+        per: dict[str, list[float]] = collections.defaultdict(list)
         for run in range(a.runs):
-            prefill, steps = offline(engine, ids, a.new, f"r{run}")
-            all_steps += steps
-            print(f"| {run + 1} | {a.context / prefill:,.0f} | {ms(steps):.2f} | {ms(steps, 0.9):.2f} | "
-                  f"{1000 / ms(steps):.0f} |")  # fmt: skip
+            for name, e in engines.items():  # interleaved, so drift hits both alike
+                prefill, steps = offline(e, ids, a.new, f"r{run}")
+                per[name] += steps
+                print(f"| {name} | {run + 1} | {a.context / prefill:,.0f} | {ms(steps):.2f} | {ms(steps, 0.9):.2f} | "
+                      f"{1000 / ms(steps):.0f} |")  # fmt: skip
+        all_steps = per["compiled"]
         offline_ms = ms(all_steps)
-        print(f"\noffline median over runs: {offline_ms:.2f} ms/token")
+        print(f"\noffline median over runs: compiled {offline_ms:.2f} ms/token, eager {ms(per['eager']):.2f} "
+              f"({ms(per['eager']) / offline_ms:.2f}x the compiled time)")  # fmt: skip
+        del engines["eager"]
 
         if a.profile:
-            parts = instrument(engine)
+            parts = instrument(engine, model_parts=False)
             _, steps = offline(engine, ids, a.new, "profiled", parts)
             n = parts.calls["step (all)"]
             step_ms = 1000 * parts.seconds["step (all)"] / n
@@ -287,8 +304,8 @@ def main() -> None:
             print("| part | ms/step | calls/step |\n|---|---:|---:|")
             for label, secs in sorted(parts.seconds.items(), key=lambda kv: -kv[1]):
                 print(f"| {label} | {1000 * secs / n:.3f} | {parts.calls[label] / n:.1f} |")
-            total, top = ops_per_decode_step(new_engine(model), ids)
-            print(f"\nATen ops dispatched by one decode step: {total}\n")
+            total, top = ops_per_decode_step(new_engine(model, eager=True), ids)
+            print(f"\nATen ops dispatched by one eager decode step: {total}\n")
             print("| op | calls | self CPU us |\n|---|---:|---:|")
             for name, count, us in top:
                 print(f"| {name} | {count} | {us:.0f} |")

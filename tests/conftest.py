@@ -9,6 +9,9 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Engines (and the workers the tests start) run eagerly: compiling each one's decode steps would cost minutes.
+# tests/unit/worker/test_compiled_decode.py asks for compiled steps explicitly.
+os.environ.setdefault("GLM5_ENFORCE_EAGER", "1")
 if not torch.cuda.is_available():
     # Triton reads this when it is first imported and when a kernel runs: without a GPU, the Triton kernels run
     # under its CPU interpreter (tests/unit/kernels); with one they are compiled and run on it.

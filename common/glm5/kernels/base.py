@@ -9,7 +9,7 @@ import torch
 
 class AttentionOutput(NamedTuple):
     out: torch.Tensor  # (n, H, C) latent-space attention output
-    entropy: float | None  # mean attention entropy in nats, when asked for
+    entropy: torch.Tensor | None  # mean attention entropy in nats (a 0-d float32 tensor), when asked for
 
 
 class DSAKernels(Protocol):

@@ -102,7 +102,8 @@ class PortableKernels:
         c = q_lat.shape[-1]
         q = torch.cat([q_lat, q_rope], dim=-1) * scale  # one product against [latent, rope key]
         scores = _bmm(q, kv.transpose(1, 2))  # (n, H, k)
-        if not bool(valid.all()):
+        # a compiled step cannot branch on tensor values: it always masks (the same result)
+        if torch.compiler.is_compiling() or not bool(valid.all()):
             scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
         probs = _softmax32(scores)
         out = _bmm(probs.to(q_lat.dtype), kv[..., :c])  # (n, H, C)
@@ -186,7 +187,7 @@ def _softmax32(scores: torch.Tensor) -> torch.Tensor:
     return torch.softmax(scores, dim=-1, dtype=torch.float32)
 
 
-def _entropy(probs: torch.Tensor) -> float:
-    """Mean over queries and heads of -sum p log p (nats)."""
+def _entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Mean over queries and heads of -sum p log p (nats), 0-d (a tensor: a compiled step cannot read it)."""
     p = probs.float()
-    return float(-(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean())
+    return -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()

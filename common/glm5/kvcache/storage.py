@@ -94,6 +94,15 @@ def _take(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, pool.shape[-1])
 
 
+def _write(pool: torch.Tensor, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool[layer, slots] = rows. A compiled step must mutate the pool tensor itself, not a view of one layer:
+    an in-place write into a view of a graph input makes the compiled graph copy the whole pool."""
+    if torch.compiler.is_compiling():
+        pool.index_put_((torch.full_like(slots, layer), slots), rows.to(pool.dtype))
+    else:
+        pool[layer].index_copy_(0, slots, rows.to(pool.dtype))
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., D) float -> (..., D) int8 and (..., 1) float16 scale, symmetric absmax per row."""
     xf = x.float()
@@ -130,10 +139,10 @@ class PagedKVStorage:
     # writes (new tokens always land in L1) -----------------------------------------------------------------
     def write_kv(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """slots (N,) L1 slot ids; rows (N, kv_dim)."""
-        self.fp_kv[layer].index_copy_(0, slots, rows.to(self.fp_kv.dtype))
+        _write(self.fp_kv, layer, slots, rows)
 
     def write_index(self, index_layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        self.fp_index[index_layer].index_copy_(0, slots, keys.to(self.fp_index.dtype))
+        _write(self.fp_index, index_layer, slots, keys)
 
     # reads
     def gather_kv(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -23,6 +23,8 @@ from glm5.model.quant import dense_weight
 from glm5.model.rope import apply_interleaved
 from glm5.parallel import SINGLE, TensorParallel
 
+compiling = torch.compiler.is_compiling
+
 # Bound on the elements of one temporary (index scores, attention scores, gathered rows). Besides bounding
 # memory on long prefills, it keeps temporaries (<= 8 MiB in float32) below glibc's mmap threshold: larger
 # ones are mapped fresh and page-faulted on every call, which made such steps several times slower.
@@ -156,7 +158,7 @@ class MLAttention(nn.Module):
         topk = batch.layer_topk[self.layer_idx] if batch.layer_topk else self.index_topk
         selector = _Selector(self, cache, kernels, controls, topk, index, batch)
         out_lat = q_lat.new_empty(n, self.num_heads, self.kv_lora_rank)
-        entropies: list[float] = []
+        entropies: list[torch.Tensor] = []
 
         decode_pick: Picked | None = None
         if batch.decode is not None:
@@ -171,7 +173,7 @@ class MLAttention(nn.Module):
             rows = slice(chunk.start, chunk.start + chunk.length)
             self._attend(pick, q_lat[rows], q_rope[rows], out_lat, chunk.start, cache, kernels, batch, entropies)
         if entropies:
-            batch.entropy[self.layer_idx] = sum(entropies) / len(entropies)
+            batch.entropy[self.layer_idx] = torch.stack(entropies).mean()
 
         out = torch.einsum("nhc,hvc->nhv", out_lat, w_kv_b[:, self.nope_dim :])  # (N, H, V)
         return self.o_proj(out.reshape(n, self.num_heads * self.v_dim)), LayerSelection(decode_pick, prefill_picks)
@@ -186,7 +188,7 @@ class MLAttention(nn.Module):
         cache: PagedKVStorage,
         kernels: DSAKernels,
         batch: ForwardBatch,
-        entropies: list[float],
+        entropies: list[torch.Tensor],
     ) -> None:
         want = batch.collect_entropy
         if pick.shared:
@@ -202,6 +204,14 @@ class MLAttention(nn.Module):
                     entropies.append(res.entropy)
             return
         n, k = pick.slots.shape
+        if compiling():
+            # a compiled step takes its (bounded) batch in one piece: a loop would fix the batch size in its graph
+            kv = cache.gather_kv(self.layer_idx, pick.slots, q_lat.dtype)
+            res = kernels.sparse_mla(q_lat, q_rope, kv, pick.valid, self.scale, want)
+            out[row0 : row0 + n] = res.out
+            if res.entropy is not None:
+                entropies.append(res.entropy)
+            return
         tile = max(1, SCRATCH_ELEMENTS // max(1, k * cache.layout.kv_dim))
         for s in range(0, n, tile):
             e = min(n, s + tile)
@@ -241,11 +251,14 @@ class _Selector:
         assert self.attn.indexer is not None
         return self.kernels.index_scores(iq, iw, keys, self.attn.indexer.softmax_scale)
 
-    def _top(self, scores: torch.Tensor, in_warmup: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(
+        self, scores: torch.Tensor, in_warmup: torch.Tensor, width: int, any_warmup: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k per row; rows in the dense warm-up window take every valid token instead."""
-        if bool(in_warmup.any()):
+        if any_warmup:
             scores = torch.where(in_warmup[:, None] & (scores > float("-inf")), float("inf"), scores)
-        kk = min(scores.shape[-1], max(self.topk, width))
+        # (a compiled step gets here only with more context than top-k: its graph needs kk as a plain int)
+        kk = max(self.topk, width) if compiling() else min(scores.shape[-1], max(self.topk, width))
         # order matters only when rows past the top-k must be told apart (warm-up wider than top-k)
         idx, valid = self.kernels.topk(scores, kk, ordered=kk > self.topk)
         if kk > self.topk:
@@ -261,7 +274,8 @@ class _Selector:
             assert dg.lengths is not None
             # long contexts: score keys in place and map only the picked positions to slots
             scores = self._paged_scores(iq[:d], iw[:d], dg.tables, dg.lengths, t)
-            idx, valid = self._top(scores, dg.context_lens - 1 < self.warmup, self._warmup_width(dg))
+            width = self._warmup_width(dg)
+            idx, valid = self._top(scores, dg.context_lens - 1 < self.warmup, width, width > 0)
             bs = self.block_size
             return Picked(dg.block_tables.gather(1, idx // bs) * bs + idx % bs, valid, shared=False)
         slots = self._slots(dg.block_tables, t)  # (D, T)
@@ -272,11 +286,18 @@ class _Selector:
         keys = self.cache.gather_index(self.attn.index_layer, slots, torch.float32)  # (D, T, Di)
         scores = self._scores(iq[:d, None], iw[:d, None], keys)[:, 0]  # (D, T)
         scores = scores.masked_fill(~in_ctx, float("-inf"))
-        idx, valid = self._top(scores, dg.context_lens - 1 < self.warmup, self._warmup_width(dg))
+        width = self._warmup_width(dg)
+        idx, valid = self._top(scores, dg.context_lens - 1 < self.warmup, width, width > 0 or compiling())
         return Picked(slots.gather(1, idx), valid, shared=False)
 
     def _warmup_width(self, dg: DecodeGroup) -> int:
-        """Most context tokens among the sequences still in the dense warm-up window."""
+        """Most context tokens among the sequences still in the dense warm-up window (0: none is)."""
+        if compiling():
+            # compiled decode steps run only where the window is at most top-k (the engine checks): the width
+            # then never widens the pick, and the warm-up rows are marked unconditionally
+            return 0
+        if dg.lengths is not None:  # the plan's lengths: no tensor read
+            return max((n for n in dg.lengths if n - 1 < self.warmup), default=0)
         in_warmup = dg.context_lens - 1 < self.warmup
         return int(dg.context_lens[in_warmup].max()) if bool(in_warmup.any()) else 0
 
@@ -321,7 +342,7 @@ class _Selector:
             rows = slice(chunk.start + s, chunk.start + e)
             scores = self._scores(iq[None, rows], iw[None, rows], keys[None])[0]  # (t, T)
             scores = scores.masked_fill(~causal[s:e], float("-inf"))
-            idx, valid = self._top(scores, in_warmup[s:e], width)
+            idx, valid = self._top(scores, in_warmup[s:e], width, bool(in_warmup[s:e].any()))
             picks_idx.append(idx)
             picks_valid.append(valid)
         idx, valid = torch.cat(picks_idx), torch.cat(picks_valid)

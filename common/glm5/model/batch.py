@@ -46,7 +46,7 @@ class ForwardBatch:
     layer_topk: list[int] | None = None
     # collect per-layer sparse-attention entropy this step (costs a little; sampled by the engine)
     collect_entropy: bool = False
-    entropy: dict[int, float] = field(default_factory=dict)
+    entropy: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, 0-d
 
     @property
     def num_tokens(self) -> int:

@@ -167,6 +167,8 @@ class Experts(nn.Module):
         return F.linear(x, w)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self._can_gather(expert_ids.numel()):
+            return self._gathered(x, expert_ids, weights)
         out = torch.zeros_like(x)
         flat = expert_ids.reshape(-1)
         if self.first_expert:
@@ -192,6 +194,34 @@ class Experts(nn.Module):
             y = self._down(h, e) * weights[tokens, slots, None]
             out.index_add_(0, tokens, y.to(out.dtype))
         return out
+
+    def _can_gather(self, picks: int) -> bool:
+        """Whether a compiled step runs the experts as gathered weights: plain weights, no observer, and at
+        most GATHER_MAX_BYTES of them copied (small decode batches)."""
+        if self.fp8_block is not None or self.int4_group is not None or self.observer is not None:
+            return False
+        return picks * (self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes) <= GATHER_MAX_BYTES
+
+    def _gathered(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts without data-dependent shapes (what a compiled graph can hold): each token's
+        chosen experts' weights are gathered and applied as batched products. Slots are summed in ascending
+        expert order, as the loop above does."""
+        ids = expert_ids - self.first_expert
+        mine = (ids >= 0) & (ids < self.num_experts)  # another rank's experts contribute nothing here
+        ids, order = ids.clamp(0, self.num_experts - 1).sort(dim=-1)
+        scale = weights.gather(1, order) * mine.gather(1, order)  # (N, K) float32
+        gate_up = torch.einsum("nd,nkid->nki", x, self.gate_up_proj[ids])  # (N, K, 2I)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = (torch.einsum("nki,nkdi->nkd", F.silu(gate) * up, self.down_proj[ids]) * scale[..., None]).to(x.dtype)
+        out = y[:, 0]
+        for k in range(1, y.shape[1]):
+            out = out + y[:, k]
+        return out
+
+
+# Largest expert-weight copy one compiled step may gather (N tokens x K experts' weights); larger batches run
+# the per-expert loop (the compiled graph breaks around it).
+GATHER_MAX_BYTES = 64 << 20
 
 
 class MoE(nn.Module):

@@ -62,6 +62,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparsity-entropy-threshold", type=float, default=d.sparsity_entropy_threshold)
     p.add_argument("--sparsity-patience", type=int, default=d.sparsity_patience)
     p.add_argument("--sparsity-widen-factor", type=float, default=d.sparsity_widen_factor)
+    c = p.add_argument_group("compiled decode steps (docs/worker.md)")
+    c.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
+                   help="run every step eagerly (default: decode steps of up to --compile-max-batch sequences run "
+                   "as compiled graphs, compiled at start-up and cached on disk; CPU only so far)")  # fmt: skip
+    c.add_argument("--compile-max-batch", type=int, default=d.compile_max_batch,
+                   help="largest decode batch that runs compiled (larger ones are not dispatch-bound)")  # fmt: skip
+    c.add_argument("--compile-cache-dir", help="where compiled steps are kept between starts (default: "
+                   "$GLM5_COMPILE_CACHE or ~/.cache/glm5/compile)")  # fmt: skip
+    c.add_argument("--compile-budget", type=float, default=d.compile_budget_s,
+                   help="seconds start-up may spend compiling; shapes not compiled by then run eagerly")  # fmt: skip
     p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain running requests")
@@ -121,6 +131,10 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         sparsity_patience=a.sparsity_patience,
         sparsity_widen_factor=a.sparsity_widen_factor,
         ascend_temperature_floor=a.ascend_temperature_floor,
+        enforce_eager=a.enforce_eager,
+        compile_max_batch=a.compile_max_batch,
+        compile_cache_dir=a.compile_cache_dir,
+        compile_budget_s=a.compile_budget,
         seed=a.seed,
         tensor_parallel_size=a.tensor_parallel_size,
         expert_parallel=a.expert_parallel,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from glm5.devices import DEVICE_CHOICES
 from glm5.errors import ConfigError
@@ -10,6 +11,12 @@ from glm5.kernels import KERNEL_CHOICES
 from glm5.model.config import validate_rope_factor
 
 DEFAULT_MAX_MODEL_LEN = 131072
+
+
+def _eager_by_default() -> bool:
+    """GLM5_ENFORCE_EAGER=1 makes --enforce-eager the default (the test suite sets it: compiling every test's
+    engine would cost minutes; the tests that check compiled steps ask for them)."""
+    return os.environ.get("GLM5_ENFORCE_EAGER", "") not in ("", "0")
 
 
 @dataclass(slots=True)
@@ -47,6 +54,11 @@ class EngineConfig:
     sparsity_patience: int = 3
     sparsity_widen_factor: float = 1.5
     entropy_interval: int = 8  # measure attention entropy every N engine steps
+    # compiled decode steps (glm5_worker.engine.compiled): vLLM's --enforce-eager turns them off
+    enforce_eager: bool = field(default_factory=_eager_by_default)
+    compile_max_batch: int = 8  # decode batches up to this size run compiled; larger ones eager
+    compile_cache_dir: str | None = None  # None: $GLM5_COMPILE_CACHE or ~/.cache/glm5/compile
+    compile_budget_s: float = 600.0  # start-up compiling stops after this; what is left runs eager
     # sampling guards
     ascend_temperature_floor: float = 0.35
     seed: int = 0
@@ -91,6 +103,8 @@ class EngineConfig:
             raise ConfigError("l1_tokens and dense_warmup_tokens must be >= 0")
         if self.sparsity_widen_factor < 1 or self.sparsity_patience < 1 or self.entropy_interval < 1:
             raise ConfigError("sparsity_widen_factor must be >= 1; sparsity_patience, entropy_interval >= 1")
+        if self.compile_max_batch < 1 or self.compile_budget_s <= 0:
+            raise ConfigError("--compile-max-batch must be >= 1 and --compile-budget > 0 seconds")
         if self.ascend_temperature_floor < 0:
             raise ConfigError("ascend_temperature_floor must be >= 0")
         self._check_parallel()

@@ -82,6 +82,7 @@ class Engine:
             self.runner = ModelRunner(rc, self.tp, self.replica.device if self.replica else rc.device_for(0))
             kv = self.runner.kv_budget
             self._init_kv(self.replica.replica.agreed_kv_bytes(kv) if self.replica is not None else kv())
+            self.runner.compile_decode()
         except BaseException:
             self.close()
             raise

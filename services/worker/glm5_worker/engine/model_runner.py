@@ -11,6 +11,7 @@ import logging
 import os
 import resource
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from glm5.devices import available_memory
@@ -23,6 +24,8 @@ from glm5.model.loader import load_model, weight_bytes_by_dtype, weight_placemen
 from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.parallel import TensorParallel
 
+from glm5_worker.engine.compiled import CompiledDecode, default_cache_dir
+from glm5_worker.engine.compiled import unavailable as compiled_unavailable
 from glm5_worker.engine.weights import swap_in_place
 from glm5_worker.kv.sizing import PoolPlan, auto_bytes, make_layout, plan_pool
 from glm5_worker.resolved import ResolvedConfig
@@ -85,6 +88,7 @@ class ModelRunner:
             paged_scoring_min_tokens=rc.engine.paged_scoring_min_tokens,
         )
         self.storage: PagedKVStorage | None = None
+        self.compiled: CompiledDecode | None = None
 
     def _check_placement(self) -> None:
         """Weights meant for an accelerator must be in its memory (a tensor left on the host would make every
@@ -128,6 +132,20 @@ class ModelRunner:
         self.storage = PagedKVStorage(layout)
         return plan
 
+    def compile_decode(self) -> None:
+        """Compiles the decode steps (after init_kv: the graphs read and write this pool), unless told not to
+        or this runner cannot (the reason is logged)."""
+        c = self.rc.engine
+        if c.enforce_eager:
+            return
+        reason = compiled_unavailable(self)
+        if reason is not None:
+            log.info("%s: decode steps run eagerly", reason)
+            return
+        cache = Path(c.compile_cache_dir) if c.compile_cache_dir else default_cache_dir()
+        self.compiled = CompiledDecode(self, c.compile_max_batch, cache, c.compile_budget_s)
+        self.compiled.warm_up()
+
     # the step -----------------------------------------------------------------------------------------------
     def batch(self, plan: StepPlan) -> ForwardBatch:
         dev = self.device
@@ -164,10 +182,14 @@ class ModelRunner:
         """Runs the step: logits (M, V) on rank 0 (a follower's own vocabulary slice elsewhere), and the
         per-layer attention entropy when the plan asked for it."""
         assert self.storage is not None, "init_kv first"
+        if self.compiled is not None:
+            done = self.compiled.run(plan)
+            if done is not None:
+                return done
         batch = self.batch(plan)
         with torch.inference_mode():
             logits = self.model(batch, self.storage, self.kernels, self.controls)
-        return logits, batch.entropy
+        return logits, {layer: float(e) for layer, e in batch.entropy.items()}
 
     def demote(self, copies: list[tuple[int, int]]) -> None:
         """Copies L1 blocks into their L2 blocks (INT8), as the block manager decided."""

@@ -1,0 +1,180 @@
+"""Decode steps as compiled graphs (torch.compile, inductor's C++/OpenMP code on the CPU).
+
+A small decode batch is dispatch-bound: one eager step of the tiny model dispatches ~2,500 ATen ops whose
+arithmetic is a fraction of their overhead. Compiled, the same step is a few fused loops around the matrix
+products. vLLM captures its decode steps per batch size (CUDA graphs); on the CPU inductor's code takes symbolic
+sizes, so a handful of graphs covers every step:
+
+- batch 1, and batches 2..compile_max_batch (the batch size symbolic);
+- contexts up to top-k tokens (every token picked, no indexer scoring) and longer ones (the block-table width
+  symbolic: the context is padded to whole blocks and masked by the context lengths).
+
+All of them are compiled at start-up (reported, bounded by compile_budget_s, kept on disk by inductor's caches
+between starts), and none afterwards: a step that would need a new graph (dynamic sparsity changed a layer's
+top-k, say) runs eagerly instead. Prefill chunks, contexts long enough for in-place index scoring and larger
+batches stay eager too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from glm5.model.batch import DecodeGroup, ForwardBatch
+
+if TYPE_CHECKING:
+    from glm5_worker.engine.model_runner import ModelRunner, StepPlan
+
+log = logging.getLogger(__name__)
+_MIN_WIDTH = 2  # block tables are padded to at least this many blocks: a size of 1 would get its own graph
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("GLM5_COMPILE_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "glm5" / "compile"
+
+
+def unavailable(runner: ModelRunner) -> str | None:
+    """Why this runner's decode steps cannot be compiled (None: they can)."""
+    if runner.device.type != "cpu":
+        return f"compiled decode steps are checked on the CPU only so far, not on {runner.device.type}"
+    if runner.tp.size > 1:
+        return "compiled decode steps run on one device only (this replica spans several)"
+    if runner.kernels.name != "portable":
+        return f"compiled decode steps use the portable kernels, not {runner.kernels.name}"
+    if any(not p.is_floating_point() or p.element_size() == 1 for p in runner.model.parameters()):
+        return "compiled decode steps need float weights (this checkpoint is quantized)"
+    if runner.controls.dense_warmup_tokens > runner.model.config.index_topk:
+        return "compiled decode steps need --dense-warmup-tokens <= the model's index_topk"
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        return "inductor needs a C++ compiler (g++, or $CXX) for compiled decode steps and none is installed"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One compiled graph: a single sequence or a batch, contexts up to top-k or longer."""
+
+    single: bool
+    long: bool
+
+    def __str__(self) -> str:
+        return f"{'batch 1' if self.single else 'batch 2+'}, {'long' if self.long else 'short'} contexts"
+
+
+class CompiledDecode:
+    def __init__(self, runner: ModelRunner, max_batch: int, cache_dir: Path, budget_s: float) -> None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        # inductor's caches (generated code, compiled graphs) live here; it reads the variable when it compiles
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir.resolve())
+        self.runner = runner
+        self.max_batch = max_batch
+        self.cache_dir = cache_dir
+        self.budget_s = budget_s
+        cfg = runner.model.config
+        self.block_size = runner.rc.cache.block_size
+        self.paged_min = runner.controls.paged_scoring_min_tokens
+        # the graph branches on `context > top-k`: both sides are compiled
+        self.long_width = max(_MIN_WIDTH, cfg.index_topk // self.block_size + 1)
+        self.short_width = _MIN_WIDTH if _MIN_WIDTH * self.block_size <= cfg.index_topk else None
+        self.ready: set[Shape] = set()
+        # layers whose attention entropy a decode step measures: those with attention over a pick (all of them)
+        self.entropy_layers = list(range(cfg.num_hidden_layers))
+        self.compile_seconds = 0.0
+        self.steps = 0  # decode steps run compiled
+        self.fallbacks = 0  # decode steps that needed a graph not compiled at start-up
+        self._fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(self._decode)
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Logits, and each sparse layer's attention entropy: measured every step (a few hundred products at
+        these batch sizes), so the steps the engine samples it on need no graph of their own."""
+        r = self.runner
+        assert r.storage is not None
+        group = DecodeGroup(input_ids.shape[0], tables, lengths, tables.shape[1] * self.block_size)
+        batch = ForwardBatch(input_ids, positions, slots, group, [], input_ids, collect_entropy=True)
+        logits: torch.Tensor = r.model(batch, r.storage, r.kernels, r.controls, all_logits=True)
+        return logits, torch.stack([batch.entropy[layer] for layer in self.entropy_layers])
+
+    def _shape(self, batch: int, width: int) -> Shape:
+        return Shape(single=batch == 1, long=width * self.block_size > self.runner.model.config.index_topk)
+
+    def _inputs(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                lengths: list[int]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        b = len(ids)
+        width = max(_MIN_WIDTH, *(len(t) for t in tables))
+        table = torch.zeros(b, width, dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        args = (torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), table, torch.tensor(lengths))
+        # the batch size is symbolic in the batch graphs, the table width in all of them
+        if b > 1:
+            for a in args:
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        torch._dynamo.maybe_mark_dynamic(table, 1)
+        return args
+
+    # start-up ------------------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compiles every shape, most useful first (one user, a long context), while the budget lasts. Writes
+        the KV of dummy tokens into block 0's first slots: nothing is cached yet, and a sequence given that
+        block writes its own tokens there before it reads them."""
+        shapes = [Shape(True, True), Shape(True, False), Shape(False, True), Shape(False, False)]
+        start = time.perf_counter()
+        for shape in shapes:
+            width = self.long_width if shape.long else self.short_width
+            if width is None or (not shape.single and self.max_batch < 2):
+                continue
+            if time.perf_counter() - start > self.budget_s:
+                log.warning("compile budget of %.0f s spent: %s run eagerly", self.budget_s, shape)
+                continue
+            b = 1 if shape.single else 2
+            t0 = time.perf_counter()
+            args = self._inputs([0] * b, [width * self.block_size - 1] * b, list(range(b)), [[0] * width] * b,
+                                [width * self.block_size] * b)  # fmt: skip
+            try:
+                with torch.inference_mode():
+                    self._fn(*args)
+            except Exception as exc:  # a compiler that fails here must not stop the worker: it serves eagerly
+                log.warning("compiling decode steps (%s) failed, they run eagerly: %s", shape, exc)
+                continue
+            self.ready.add(shape)
+            log.info("compiled decode steps (%s) in %.1f s", shape, time.perf_counter() - t0)
+        self.compile_seconds = time.perf_counter() - start
+        log.info("decode steps compiled in %.1f s (cache %s; --enforce-eager skips this)", self.compile_seconds,
+                 self.cache_dir)  # fmt: skip
+
+    # steps ---------------------------------------------------------------------------------------------------
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, float]] | None:
+        """Logits of a decode-only step through its compiled graph, and the attention entropy per layer when the
+        plan asks for it; None when the step must run eagerly."""
+        b = len(plan.decode_tables)
+        if plan.prefills or not 1 <= b <= self.max_batch or plan.layer_topk is not None:
+            return None
+        width = max(_MIN_WIDTH, *(len(t) for t in plan.decode_tables))
+        # longer contexts score their indexer keys in place, eagerly
+        if width * self.block_size >= self.paged_min or self._shape(b, width) not in self.ready:
+            return None
+        args = self._inputs(plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths)
+        try:
+            # never compile while serving: a step that needs a new graph runs eagerly
+            with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                logits, entropy = self._fn(*args)
+        except torch._dynamo.exc.RecompileError as exc:
+            self.fallbacks += 1
+            if self.fallbacks == 1:
+                log.info("a decode step needs a graph not compiled at start-up; it runs eagerly (%s)", exc)
+            return None
+        self.steps += 1
+        if not plan.collect_entropy:
+            return logits, {}
+        return logits, dict(zip(self.entropy_layers, entropy.tolist(), strict=True))
