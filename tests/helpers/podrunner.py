@@ -421,7 +421,8 @@ def _spellings(name: str, ns: str) -> list[str]:
 
 
 def _base_env() -> dict[str, str]:
-    keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GLM5_HOME")
+    # GLM5_ENFORCE_EAGER: the suite's workers run eagerly (tests/conftest.py), in pods too
+    keep = ("PATH", "HOME", "LANG", "PYTHONPATH", "VIRTUAL_ENV", "GLM5_HOME", "GLM5_ENFORCE_EAGER")
     return {k: os.environ[k] for k in keep if k in os.environ} | {"PYTHONPATH": str(ROOT)}
 
 
