@@ -22,6 +22,9 @@ MESSAGE_LIMIT = 64 << 20  # what a server sends (prompt logprobs of a long promp
 # below REQUEST_BATCH_BYTES, and a larger message is refused before it is read into memory
 RECEIVE_LIMIT = 16 << 20
 REQUEST_BATCH_BYTES = 4 << 20
+# Initial metadata a server sends on a client-streaming call it has accepted: the client writes only after it
+# (a refusal before any read then reaches the client as its status, not as a write failing against it)
+STREAM_ACCEPTED_KEY = "glm5-stream-accepted"
 log = logging.getLogger(__name__)
 
 

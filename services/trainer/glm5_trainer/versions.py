@@ -7,6 +7,7 @@ a shared folder, or PushWeights streaming its files) and reports how long it too
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import shutil
@@ -15,10 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import torch
 from glm5.model.loader import save_checkpoint
 from glm5.security import NO_TLS, Secret, TlsConfig, admin_metadata
 from glm5.security import channel as secure_channel
+from glm5.serving import STREAM_ACCEPTED_KEY
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_SYNC_INTERVAL_S = 1800.0
@@ -111,13 +114,33 @@ async def sync_workers(workers: list[str], version: int, location: Path, timeout
         async with secure_channel(address, tls) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
             if transport == "stream":
-                await stub.PushWeights(_chunks(location, version, files), timeout=timeout, metadata=meta)
+                await _push(stub, _chunks(location, version, files), timeout, meta)
             else:
                 await stub.UpdateWeights(worker_pb2.UpdateWeightsRequest(version=version, location=str(location)),
                                          timeout=timeout, metadata=meta)  # fmt: skip
         return address, time.perf_counter() - start
 
     return dict(await asyncio.gather(*(one(w) for w in workers)))
+
+
+async def _push(stub: worker_pb2_grpc.WorkerStub, chunks: AsyncIterator[worker_pb2.PushWeightsChunk],
+                timeout: float, meta: tuple[tuple[str, str], ...]) -> None:  # fmt: skip
+    """PushWeights: the header, then the data only once the worker has accepted the header (its initial
+    metadata). A worker that refuses (not an admin caller, no --weights-root, a bad header, an old version)
+    answers before reading on, and that answer is the error raised here; writing on into the refused call would
+    fail with an INTERNAL error that hides it."""
+    call = stub.PushWeights(timeout=timeout, metadata=meta)
+    header = await anext(aiter(chunks))
+    with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):  # refused at once: status below
+        await call.write(header)
+    if any(key == STREAM_ACCEPTED_KEY for key, _ in await call.initial_metadata()):
+        try:
+            async for chunk in chunks:
+                await call.write(chunk)
+            await call.done_writing()
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+            pass  # the worker ended the call while this side wrote: its status below says why
+    await call
 
 
 def _manifest(folder: Path) -> list[worker_pb2.PushedFile]:

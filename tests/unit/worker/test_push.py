@@ -33,8 +33,18 @@ def _data(blob: bytes, size: int) -> list[worker_pb2.PushWeightsChunk]:
     return [worker_pb2.PushWeightsChunk(data=blob[i : i + size]) for i in range(0, len(blob), size)]
 
 
+class _Acceptance:
+    """Counts the acceptances receive_push sends (the pusher's signal to send the data)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def __call__(self) -> None:
+        self.count += 1
+
+
 def _receive(root: Path, *chunks: worker_pb2.PushWeightsChunk, max_bytes: int = 1 << 20) -> tuple[int, Path]:
-    return asyncio.run(receive_push(_stream(*chunks), root, max_bytes, lambda v: None))
+    return asyncio.run(receive_push(_stream(*chunks), root, max_bytes, lambda v: None, _Acceptance()))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
@@ -74,7 +84,9 @@ def test_an_old_version_is_refused_before_a_byte_is_written(tmp_path: Path) -> N
     def check(version: int) -> None:
         raise ValueError(f"not newer: {version}")
 
+    accepted = _Acceptance()
     with pytest.raises(ValueError, match="not newer: 3"):
         asyncio.run(receive_push(_stream(_header(FILES), *_data(b"".join(FILES.values()), 64)), tmp_path, 1 << 20,
-                                 check))  # fmt: skip
+                                 check, accepted))  # fmt: skip
     assert not (tmp_path / STAGING_DIR).exists()
+    assert accepted.count == 0  # refused before the pusher was told to send its data

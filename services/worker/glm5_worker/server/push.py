@@ -12,7 +12,7 @@ import hashlib
 import re
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,17 +49,23 @@ def _check_header(header: worker_pb2.PushWeightsHeader, max_bytes: int) -> None:
 
 
 async def receive_push(
-    chunks: AsyncIterator[worker_pb2.PushWeightsChunk], root: Path, max_bytes: int, check_version: Callable[[int], None]
+    chunks: AsyncIterator[worker_pb2.PushWeightsChunk],
+    root: Path,
+    max_bytes: int,
+    check_version: Callable[[int], None],
+    accepted: Callable[[], Awaitable[None]],
 ) -> tuple[int, Path]:
     """(version, staged folder) once every declared byte arrived intact; the caller deletes the folder. On any
     error the staged bytes are gone and InvalidRequestError says what was wrong (check_version's own errors pass
-    through before a byte is written)."""
+    through before a byte is written). `accepted` is awaited once the header passed: it tells the pusher to send
+    the data (a refusal before it reaches the pusher as its status, not as a write failing against it)."""
     first = await anext(aiter(chunks), None)
     if first is None or first.WhichOneof("part") != "header":
         raise InvalidRequestError("header", "the first message must be the header")
     header = first.header
     _check_header(header, max_bytes)
     check_version(header.version)
+    await accepted()
     staged = root / STAGING_DIR / f"v{header.version}-{secrets.token_hex(4)}"
     await asyncio.to_thread(staged.mkdir, parents=True)
     try:

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import grpc
 from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
-from glm5.serving import RequestFailed, serve_multiplexed
+from glm5.serving import STREAM_ACCEPTED_KEY, RequestFailed, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped, ReplicaLost
@@ -285,8 +285,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         assert self.weights_root is not None
         try:
             version, staged = await receive_push(
-                request_iterator, self.weights_root, self.max_push_bytes, self._check_newer
-            )
+                request_iterator, self.weights_root, self.max_push_bytes, self._check_newer,
+                lambda: context.send_initial_metadata(((STREAM_ACCEPTED_KEY, "1"),)),
+            )  # fmt: skip
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except _NotNewer as exc:
