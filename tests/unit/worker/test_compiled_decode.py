@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from glm5.model.loader import load_model
 from glm5.model.presets import init_model
 from glm5.tokenizer.build import write_tokenizer
 from glm5_worker.config import EngineConfig
@@ -72,6 +73,25 @@ def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: 
     assert runner.steps == 3 * 23 + 23 and runner.fallbacks == 0
     for mine, theirs in zip(compiled.sparsity.layers, eager.sparsity.layers, strict=True):
         assert mine.entropy_short is not None and mine.entropy_short == pytest.approx(theirs.entropy_short, rel=1e-4)
+
+
+def test_compiled_steps_read_swapped_weights(tmp_path: Path) -> None:
+    """RL copies new weights into the live tensors between steps: the compiled graphs must read them (parameters
+    are graph inputs, never constants folded in at compile time)."""
+    for name, seed in (("a", 3), ("b", 4)):
+        hf_checkpoint(tmp_path / name, seed=seed, vocab_size=1024, **PARITY["shared-indexer"])
+        write_tokenizer(tmp_path / name)
+    eager = engine(tmp_path / "a", True, tmp_path / "cache")
+    compiled = engine(tmp_path / "a", False, tmp_path / "cache", compile_max_batch=1)
+    ps = prompts([40], seed=5)
+    before = generate(compiled, ps, 16, together=False)
+    assert before == generate(eager, ps, 16, together=False)
+    for eng in (eager, compiled):
+        eng.swap_weights(load_model(tmp_path / "b"), version=1)
+    after = generate(compiled, ps, 16, together=False)
+    assert after != before, "the new weights changed nothing: the test cannot tell"
+    assert after == generate(eager, ps, 16, together=False)
+    assert compiled.runner.compiled is not None and compiled.runner.compiled.fallbacks == 0
 
 
 def test_short_and_long_contexts_and_the_disk_cache(tmp_path: Path) -> None:
