@@ -108,10 +108,13 @@ class CompiledDecode:
     def _shape(self, batch: int, width: int) -> Shape:
         return Shape(single=batch == 1, long=width * self.block_size > self.runner.model.config.index_topk)
 
+    @staticmethod
+    def _width(tables: list[list[int]]) -> int:
+        return max(_MIN_WIDTH, *(len(t) for t in tables))
+
     def _inputs(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-                lengths: list[int]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+                lengths: list[int], width: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
         b = len(ids)
-        width = max(_MIN_WIDTH, *(len(t) for t in tables))
         table = torch.zeros(b, width, dtype=torch.long)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
@@ -140,7 +143,7 @@ class CompiledDecode:
             b = 1 if shape.single else 2
             t0 = time.perf_counter()
             args = self._inputs([0] * b, [width * self.block_size - 1] * b, list(range(b)), [[0] * width] * b,
-                                [width * self.block_size] * b)  # fmt: skip
+                                [width * self.block_size] * b, width)  # fmt: skip
             try:
                 with torch.inference_mode():
                     self._fn(*args)
@@ -160,11 +163,12 @@ class CompiledDecode:
         b = len(plan.decode_tables)
         if plan.prefills or not 1 <= b <= self.max_batch or plan.layer_topk is not None:
             return None
-        width = max(_MIN_WIDTH, *(len(t) for t in plan.decode_tables))
+        width = self._width(plan.decode_tables)
         # longer contexts score their indexer keys in place, eagerly
         if width * self.block_size >= self.paged_min or self._shape(b, width) not in self.ready:
             return None
-        args = self._inputs(plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths)
+        args = self._inputs(plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths,
+                            width)  # fmt: skip
         try:
             # never compile while serving: a step that needs a new graph runs eagerly
             with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
