@@ -1,7 +1,9 @@
 """Runs the engine on its own thread and streams outputs to asyncio callers.
 
 Every engine call (add, abort, stats) is a command queued to the engine thread, so the engine is only ever
-touched by one thread and model steps never block the event loop.
+touched by one thread and model steps never block the event loop. The engine is also built on that thread
+(weights read, decode steps compiled): OpenMP keeps a thread pool per thread that ran torch code, and a second
+live pool slows every step (threads.py).
 """
 
 from __future__ import annotations
@@ -77,20 +79,44 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_fatal: Callable[[str], None] | None = None) -> None:
-        """`on_fatal(reason)` is called (on the engine thread) once the replica is lost."""
-        self.engine = engine
+    engine: Engine
+
+    def __init__(self, build: Callable[[], Engine], on_fatal: Callable[[str], None] | None = None) -> None:
+        """Builds the engine with `build()` on the engine thread; `started()` waits for it. `on_fatal(reason)`
+        is called (on the engine thread) once the replica is lost."""
         self._on_fatal = on_fatal
+        self._built: Future[Engine] = Future()
         self.fatal: str | None = None
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
         self._accepting = True
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="glm5-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(build,), name="glm5-engine", daemon=True)
         self._thread.start()
 
+    @classmethod
+    async def start(cls, build: Callable[[], Engine], on_fatal: Callable[[str], None] | None = None) -> AsyncEngine:
+        """An engine thread with its engine built (the build's error, if it fails)."""
+        self = cls(build, on_fatal)
+        await self.started()
+        return self
+
+    async def started(self) -> Engine:
+        """The built engine, once it is (the build's error if it failed)."""
+        self.engine = await asyncio.wrap_future(self._built)
+        return self.engine
+
     # engine thread ------------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Engine]) -> None:
+        if not self._built.set_running_or_notify_cancel():  # start() was cancelled before the thread ran
+            return
+        try:
+            self.engine = build()
+        except BaseException as exc:
+            self._accepting = False
+            self._built.set_exception(exc)
+            return
+        self._built.set_result(self.engine)
         while not self._stop.is_set():
             idle = not self.engine.has_work
             try:
@@ -239,4 +265,5 @@ class AsyncEngine:
         self._accepting = False
         self._stop.set()
         self._thread.join(timeout=5)
-        self.engine.close()
+        if self._built.done() and self._built.exception() is None:
+            self.engine.close()

@@ -6,12 +6,13 @@ and within a second of the process that started it going away: it never outlives
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -20,6 +21,7 @@ from glm5.model.model import GlmMoeDsaForCausalLM
 
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.model_runner import ModelRunner
+from glm5_worker.engine.threads import in_own_thread
 from glm5_worker.engine.weights import read_checkpoint
 from glm5_worker.parallel.protocol import LoadWeights, Stats, Step, Stop, SwapWeights, Tick
 from glm5_worker.parallel.replica import Replica, join, rank_of, rendezvous
@@ -33,7 +35,6 @@ STOP_WAIT_S = 10.0
 class Follower:
     def __init__(self, runner: ModelRunner, replica: Replica, rc: ResolvedConfig) -> None:
         self.runner, self.replica, self.rc = runner, replica, rc
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="glm5-weights")
         self._reading: Future[GlmMoeDsaForCausalLM] | None = None
 
     def run(self) -> int:
@@ -48,10 +49,10 @@ class Follower:
                 if msg.demotions:
                     self.runner.demote(msg.demotions)
             elif isinstance(msg, LoadWeights):
-                self._reading = self._reader.submit(
-                    read_checkpoint, msg.location, self.rc.model, self.rc.dtype, self.runner.device,
-                    msg.tokenizer_fingerprint, self.replica.tp,
-                )  # fmt: skip
+                read = functools.partial(read_checkpoint, msg.location, self.rc.model, self.rc.dtype,
+                                         self.runner.device, msg.tokenizer_fingerprint, self.replica.tp)  # fmt: skip
+                # a thread that ends with the read: a live thread that ran torch slows every step (threads.py)
+                self._reading = in_own_thread(read, "glm5-weights")
             elif isinstance(msg, SwapWeights):
                 self._swap(msg.version)
             elif isinstance(msg, Stats):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -88,7 +89,7 @@ async def start_worker(
     def on_fatal(reason: str) -> None:  # on the engine thread
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_not_serving(holder, lost)))
 
-    engine = AsyncEngine(await asyncio.to_thread(Engine, config), on_fatal)
+    engine = await AsyncEngine.start(functools.partial(Engine, config), on_fatal)
     server = new_server([RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
     clear_staging(security.weights_root)
     service = WorkerService(engine, security.weights_root)

@@ -21,6 +21,7 @@ from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineSt
 from glm5_worker.engine.engine import EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
 from glm5_worker.engine.structured import OutputFormat
+from glm5_worker.engine.threads import in_own_thread
 from glm5_worker.engine.weights import read_checkpoint
 from glm5_worker.parallel.replica import ReplicaFailure
 from glm5_worker.server.push import receive_push
@@ -323,10 +324,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             await self.engine.run(functools.partial(eng.start_weight_update, location))
             new, failure = None, None
             try:
-                new = await asyncio.to_thread(
-                    read_checkpoint, location, eng.model_config, eng.dtype, eng.device,
-                    eng.tokenizer.fingerprint, eng.tp,
-                )  # fmt: skip
+                read = functools.partial(read_checkpoint, location, eng.model_config, eng.dtype, eng.device,
+                                         eng.tokenizer.fingerprint, eng.tp)  # fmt: skip
+                # a thread that ends with the read: a live executor thread that ran torch slows every step
+                new = await asyncio.wrap_future(in_own_thread(read, "glm5-weights"))
             except (InvalidRequestError, CheckpointError, ConfigError) as exc:
                 failure = exc
             load_s = time.perf_counter() - start
