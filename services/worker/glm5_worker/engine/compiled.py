@@ -92,7 +92,11 @@ class CompiledDecode:
         self.compile_seconds = 0.0
         self.steps = 0  # decode steps run compiled
         self.fallbacks = 0  # decode steps that needed a graph not compiled at start-up
-        self._fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(self._decode)
+        # a C++ wrapper calls the step's ~120 kernels and matrix products instead of Python: 25-35% off a batch-1
+        # step of the tiny model (docs/benchmarks.md n)
+        self._fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
+            self._decode, options={"cpp_wrapper": True}
+        )
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
