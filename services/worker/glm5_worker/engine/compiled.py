@@ -98,12 +98,13 @@ class CompiledDecode:
             self._decode, options={"cpp_wrapper": True}
         )
 
-    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                tables: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _decode(self, rows: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits, and each sparse layer's attention entropy: measured every step (a few hundred products at
-        these batch sizes), so the steps the engine samples it on need no graph of their own."""
+        these batch sizes), so the steps the engine samples it on need no graph of their own. `rows` holds the
+        token ids, positions, KV slots and context lengths (one tensor: building a tensor costs microseconds)."""
         r = self.runner
         assert r.storage is not None
+        input_ids, positions, slots, lengths = rows.unbind(0)
         group = DecodeGroup(input_ids.shape[0], tables, lengths, tables.shape[1] * self.block_size)
         batch = ForwardBatch(input_ids, positions, slots, group, [], input_ids, collect_entropy=True)
         logits: torch.Tensor = r.model(batch, r.storage, r.kernels, r.controls, all_logits=True)
@@ -117,18 +118,15 @@ class CompiledDecode:
         return max(_MIN_WIDTH, *(len(t) for t in tables))
 
     def _inputs(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-                lengths: list[int], width: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        b = len(ids)
-        table = torch.zeros(b, width, dtype=torch.long)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        args = (torch.tensor(ids), torch.tensor(positions), torch.tensor(slots), table, torch.tensor(lengths))
+                lengths: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        rows = torch.tensor([ids, positions, slots, lengths], dtype=torch.long)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         # the batch size is symbolic in the batch graphs, the table width in all of them
-        if b > 1:
-            for a in args:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+        if len(ids) > 1:
+            torch._dynamo.maybe_mark_dynamic(rows, 1)
+            torch._dynamo.maybe_mark_dynamic(table, 0)
         torch._dynamo.maybe_mark_dynamic(table, 1)
-        return args
+        return rows, table
 
     # start-up ------------------------------------------------------------------------------------------------
     def warm_up(self) -> None:
