@@ -6,6 +6,7 @@ port accepts: index_head_dim 64, kv_lora_rank 512, RoPE 64), float32, greedy, EO
 
 Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 3] [--threads 2]
                                            [--serve] [--profile] [--llama-bench PATH --gguf FILE]
+                                           [--users 8 [--llama-server PATH --gguf FILE]]
 
 - offline: per-step wall time of `Engine.step()` for the decode steps (the prefill step is timed apart), with
   the decode steps compiled (as `glm5 worker` runs by default) and eager (--enforce-eager), runs interleaved;
@@ -14,13 +15,18 @@ Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 
 - --profile: one more offline run with the compiled step's phases timed (nested, so a part's time includes the
   parts inside it) and the ATen ops one eager decode step dispatches;
 - --llama-bench PATH --gguf FILE: llama.cpp's `llama-bench -p 0 -n NEW -d CONTEXT` on the same weights converted
-  to GGUF (docs/benchmarks.md says how), and the ratio.
+  to GGUF (docs/benchmarks.md says how), and the ratio;
+- --users N: N users at once through `glm5 serve` (streamed /v1/completions, a different CONTEXT-token prompt
+  each, fresh prompts every run so no prefix cache helps): output tokens/s over the run, time to first token,
+  time between tokens; with --llama-server PATH (and --gguf) the same against llama.cpp's `llama-server -np N`
+  on the same weights, runs interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import http.client
 import itertools
@@ -239,6 +245,69 @@ def grpc_gaps(target: str, ids: list[int], new: int, via_router: bool) -> tuple[
     return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
 
 
+def user_stream(base: str, ids: list[int], new: int, start: float) -> tuple[float, float, int]:
+    """(first chunk, last chunk, completion tokens) of one streamed completion, in perf_counter seconds."""
+    body = json.dumps({"model": "m", "prompt": ids, "max_tokens": new, "temperature": 0, "stream": True,
+                       "ignore_eos": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    host, port = base.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    first = last = 0.0
+    tokens = new  # with ignore_eos every server generates max_tokens; the usage chunk confirms it where sent
+    for line in resp:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            last = time.perf_counter()
+            first = first or last
+        if chunk.get("usage"):
+            tokens = int(chunk["usage"]["completion_tokens"])
+    conn.close()
+    return first - start, last - start, tokens
+
+
+def users(base: str, prompts: list[list[int]], new: int) -> tuple[float, list[float], list[float]]:
+    """len(prompts) users streaming at once: (output tokens/s over the run, each user's time to first token,
+    each user's mean time between tokens after the first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda ids: user_stream(base, ids, new, start), prompts))
+    total = sum(t for _, _, t in results)
+    end = max(last for _, last, _ in results)
+    return total / end, [f for f, _, _ in results], [(last - f) / max(1, t - 1) for f, last, t in results]
+
+
+@contextmanager
+def llama_server(path: str, gguf: str, n: int, context: int, new: int, threads: int) -> Iterator[str]:
+    """llama.cpp's server on the same weights with N slots of CONTEXT + NEW tokens each."""
+    port = free_port()
+    cmd = [path, "-m", gguf, "-t", str(threads), "-np", str(n), "-c", str(n * (context + new + 64)), "--host",
+           "127.0.0.1", "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("llama-server did not become healthy")
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def llama_bench(path: str, gguf: str, context: int, new: int, threads: int) -> float:
     """llama.cpp's generation speed (tokens/s) after `context` tokens."""
     out = subprocess.run([path, "-m", gguf, "-p", "0", "-n", str(new), "-d", str(context), "-t", str(threads),
@@ -265,7 +334,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--llama-bench")
     ap.add_argument("--gguf")
+    ap.add_argument("--users", type=int, default=0)
+    ap.add_argument("--llama-server")
     a = ap.parse_args()
+    if (a.llama_bench or a.llama_server) and not a.gguf:
+        raise SystemExit("--llama-bench and --llama-server need --gguf (the same weights converted to GGUF)")
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "m", preset=PRESET, seed=0)
@@ -334,12 +407,44 @@ def main() -> None:
                 print(f"| {name} | {ms(g):.2f} | {ms(g) - before:+.2f} |")
                 before = ms(g)
 
+        if a.users:
+            concurrent(model, a, vocab)
+
         if a.llama_bench:
-            if not a.gguf:
-                raise SystemExit("--llama-bench needs --gguf (the same weights converted to GGUF)")
             tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
             print(f"\nllama.cpp: {1000 / tps:.2f} ms/token ({tps:.0f} tok/s); ours offline / llama.cpp: "
                   f"{offline_ms / (1000 / tps):.2f}x the time")  # fmt: skip
+
+
+def concurrent(model: Path, a: argparse.Namespace, vocab: int) -> None:
+    """--users N: glm5 serve (and llama-server) with N users at once, runs interleaved."""
+    with contextlib.ExitStack() as stack:
+        servers = {"glm5 serve": stack.enter_context(serve(model, a.threads))[0]}
+        if a.llama_server:
+            servers["llama-server"] = stack.enter_context(
+                llama_server(a.llama_server, a.gguf, a.users, a.context, a.new, a.threads)
+            )
+        for base in servers.values():  # warm-up
+            users(base, [context_ids(vocab, 64, seed=10_000 + i) for i in range(a.users)], 8)
+        rows: dict[str, list[tuple[float, list[float], list[float]]]] = collections.defaultdict(list)
+        print(
+            f"\n{a.users} users at once, {a.context}-token prompts (different per user and run), {a.new} tokens each\n"
+        )
+        print("| server | run | output tok/s | TTFT p50 ms | TTFT max ms | time between tokens p50 ms |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for run in range(a.runs):
+            prompts = [context_ids(vocab, a.context, seed=1000 * (run + 1) + i) for i in range(a.users)]
+            for name, base in servers.items():  # interleaved; the same prompts for both
+                tps, ttft, itl = users(base, prompts, a.new)
+                rows[name].append((tps, ttft, itl))
+                print(f"| {name} | {run + 1} | {tps:.0f} | {ms(ttft):.0f} | {1000 * max(ttft):.0f} | {ms(itl):.2f} |")
+        print("\n| server | output tok/s (median of runs) | TTFT p50 ms (all users) | time between tokens p50 ms |")
+        print("|---|---:|---:|---:|")
+        for name, rs in rows.items():
+            tps_med = sorted(r[0] for r in rs)[len(rs) // 2]
+            ttft_all = [t for r in rs for t in r[1]]
+            itl_all = [t for r in rs for t in r[2]]
+            print(f"| {name} | {tps_med:.0f} | {ms(ttft_all):.0f} | {ms(itl_all):.2f} |")
 
 
 if __name__ == "__main__":
