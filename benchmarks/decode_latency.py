@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -171,6 +171,29 @@ def ops_per_decode_step(engine: Engine, ids: list[int]) -> tuple[int, list[tuple
 
 
 @contextmanager
+def running(cmd: list[str], health: str, healthy: Callable[[Any], bool], what: str, timeout_s: float,
+            env: dict[str, str] | None = None) -> Iterator[None]:  # fmt: skip
+    """A server process, once `healthy(response)` of a GET on its `health` URL; stopped on exit."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(health, timeout=2) as r:
+                    if healthy(r):
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{what} did not become healthy")
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@contextmanager
 def serve(model: Path, threads: int) -> Iterator[tuple[str, str, str]]:
     """(router HTTP, router gRPC, the worker's gRPC) addresses of a `glm5 serve` with one worker."""
     http_port, grpc_port = free_port(), free_port()
@@ -178,26 +201,11 @@ def serve(model: Path, threads: int) -> Iterator[tuple[str, str, str]]:
     cmd = [sys.executable, "-m", "glm5_cli", "serve", "--model", str(model), "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-bytes=256MiB",
            "--worker-arg=--no-kv-int8-tier"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"127.0.0.1:{http_port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://{base}/health", timeout=2) as r:
-                    if json.load(r).get("status") == "ok":
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("glm5 serve did not become healthy")
+    with running(cmd, f"http://{base}/health", lambda r: json.load(r).get("status") == "ok", "glm5 serve", 300, env):
         with urllib.request.urlopen(f"http://{base}/health", timeout=5) as r:
             (worker,) = [w["address"] for w in json.load(r)["workers"]]
         yield base, f"127.0.0.1:{grpc_port}", worker
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def free_port() -> int:
@@ -288,24 +296,8 @@ def llama_server(path: str, gguf: str, n: int, context: int, new: int, threads: 
     port = free_port()
     cmd = [path, "-m", gguf, "-t", str(threads), "-np", str(n), "-c", str(n * (context + new + 64)), "--host",
            "127.0.0.1", "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://{base}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("llama-server did not become healthy")
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with running(cmd, f"http://127.0.0.1:{port}/health", lambda r: r.status == 200, "llama-server", 120):
+        yield f"127.0.0.1:{port}"
 
 
 def llama_bench(path: str, gguf: str, context: int, new: int, threads: int) -> float:

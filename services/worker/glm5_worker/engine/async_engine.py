@@ -22,6 +22,7 @@ from glm5.errors import Glm5Error
 
 from glm5_worker.engine.engine import Engine, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams
+from glm5_worker.engine.threads import settle
 from glm5_worker.parallel.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
@@ -137,14 +138,9 @@ class AsyncEngine:
                     self._lose_replica(exc)
 
     def _execute(self, fn: Callable[[], Any], fut: Future[Any]) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:
-            fut.set_exception(exc)
-            if isinstance(exc, ReplicaFailure) and self.fatal is None:
-                self._lose_replica(exc)
+        exc = settle(fut, fn)
+        if isinstance(exc, ReplicaFailure) and self.fatal is None:
+            self._lose_replica(exc)
 
     def _fail_all(self, error: Exception) -> None:
         failed: list[tuple[_Sink, _Item]] = []

@@ -18,17 +18,20 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def settle(fut: Future[T], fn: Callable[[], T]) -> BaseException | None:
+    """Runs `fn` into `fut` unless it was cancelled first; returns what `fn` raised, if anything."""
+    if not fut.set_running_or_notify_cancel():
+        return None
+    try:
+        fut.set_result(fn())
+    except BaseException as exc:
+        fut.set_exception(exc)
+        return exc
+    return None
+
+
 def in_own_thread(fn: Callable[[], T], name: str) -> Future[T]:
     """Runs `fn` on a new thread that exits when it returns; its result or exception lands in the future."""
     fut: Future[T] = Future()
-
-    def body() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn())
-        except BaseException as exc:
-            fut.set_exception(exc)
-
-    threading.Thread(target=body, name=name, daemon=True).start()
+    threading.Thread(target=settle, args=(fut, fn), name=name, daemon=True).start()
     return fut
