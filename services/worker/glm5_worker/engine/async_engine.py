@@ -109,15 +109,10 @@ class AsyncEngine:
 
     # engine thread ------------------------------------------------------------------------------------------
     def _run(self, build: Callable[[], Engine]) -> None:
-        if not self._built.set_running_or_notify_cancel():  # start() was cancelled before the thread ran
-            return
-        try:
-            self.engine = build()
-        except BaseException as exc:
+        if settle(self._built, build) is not None or self._built.cancelled():  # nothing to serve with
             self._accepting = False
-            self._built.set_exception(exc)
             return
-        self._built.set_result(self.engine)
+        self.engine = self._built.result()
         while not self._stop.is_set():
             idle = not self.engine.has_work
             try:
