@@ -175,9 +175,11 @@ def run(a: argparse.Namespace) -> None:
 
 
 async def _serve(config: RouterConfig, supervisor: Supervisor, grace: float) -> None:
+    from glm5.serving import freeze_heap
     from glm5_router.server.app import start_router
 
     app = await start_router(config)
+    freeze_heap()
     await app.pool.wait_ready(60)
     host = "localhost" if config.host in ("0.0.0.0", "127.0.0.1") else config.host
     print(f"\nglm5 is serving {app.frontend.model_name} with {len(config.workers)} worker(s)\n"

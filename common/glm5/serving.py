@@ -4,6 +4,7 @@ GenerateStream (many Generate requests multiplexed over one stream)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,6 +27,15 @@ REQUEST_BATCH_BYTES = 4 << 20
 # (a refusal before any read then reaches the client as its status, not as a write failing against it)
 STREAM_ACCEPTED_KEY = "glm5-stream-accepted"
 log = logging.getLogger(__name__)
+
+
+def freeze_heap() -> None:
+    """Takes everything alive once a server has started (imported modules, the model, compiled graphs) out of the
+    cyclic garbage collector's reach. A full collection otherwise walks those ~180K objects holding the GIL: 80-100
+    ms on an idle 2-core machine, up to 270 ms with busy cores, a stall that every token stream and health check
+    in the process feels. Later collections walk only what was made after this call. (vLLM does the same.)"""
+    gc.collect()
+    gc.freeze()
 
 
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:

@@ -11,7 +11,7 @@ import grpc
 from glm5.errors import ConfigError
 from glm5.rl.buffer import InProcessBuffer, RedisBuffer, RolloutBuffer
 from glm5.security import LOOPBACK, add_tls_arguments, tls_from_args
-from glm5.serving import new_server, start_serving
+from glm5.serving import freeze_heap, new_server, start_serving
 from glm5.v1 import tito_pb2, tito_pb2_grpc
 
 from glm5_tito.gateway import Gateway, GatewayConfig
@@ -71,6 +71,7 @@ def run(a: argparse.Namespace) -> None:
     async def main() -> None:
         buffer: RolloutBuffer = RedisBuffer(a.redis_url) if a.redis_url else InProcessBuffer()
         server, gateway, _ = await start_gateway(config, buffer, a.host, a.port)
+        freeze_heap()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -13,7 +13,7 @@ from aiohttp import web
 from glm5.crypto.sm4 import KeyRing
 from glm5.errors import BindError, ConfigError
 from glm5.security import ApiKeyInterceptor, redact_url
-from glm5.serving import new_server, start_health_server, start_serving
+from glm5.serving import freeze_heap, new_server, start_health_server, start_serving
 from glm5.v1 import router_pb2, router_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from redis.exceptions import RedisError
@@ -128,6 +128,7 @@ async def start_router(config: RouterConfig) -> RouterApp:
 
 async def serve_until_signal(config: RouterConfig, grace: float = 10.0) -> None:
     app = await start_router(config)
+    freeze_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,6 +18,7 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.multiprocessing as mp
 from glm5.model.model import GlmMoeDsaForCausalLM
+from glm5.serving import freeze_heap
 
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.model_runner import ModelRunner
@@ -83,6 +84,7 @@ def run_follower(config: EngineConfig, local_rank: int, port: int) -> int:
     replica = join(config, rank, rc.device_for(local_rank), store)
     runner = ModelRunner(rc, replica.tp, replica.device)
     runner.init_kv(replica.agreed_kv_bytes(runner.kv_budget))
+    freeze_heap()
     return Follower(runner, replica, rc).run()
 
 

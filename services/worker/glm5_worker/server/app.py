@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 from glm5.security import LOOPBACK, NO_ADMIN, NO_TLS, AdminInterceptor, AdminPolicy, TlsConfig
-from glm5.serving import new_server, start_health_server, start_serving
+from glm5.serving import freeze_heap, new_server, start_health_server, start_serving
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
@@ -133,6 +133,7 @@ async def serve_until_signal(
     """Serves until SIGINT/SIGTERM (exit code 0) or until the replica is lost (exit code 1: Kubernetes then
     restarts the pod, and with it every rank)."""
     worker = await start_worker(config, host, port, security)
+    freeze_heap()
     print(f"glm5 worker listening on {host}:{worker.port} (model {worker.engine.engine.served_model_name})",
           flush=True)  # fmt: skip
     stop = asyncio.Event()
