@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from glm5.errors import InvalidRequestError, UnavailableError
+from glm5.parsing.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
+from glm5.parsing.tools import ToolCall, ToolCallError, ToolCallParser, ToolRegistry
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from glm5_router.config import RouterConfig
-from glm5_router.parsing.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
-from glm5_router.parsing.tools import ToolCall, ToolCallError, ToolCallParser, ToolRegistry
 from glm5_router.scheduling.dispatcher import Dispatcher, validate_job_fits
 from glm5_router.scheduling.job import Job, Lane
 from glm5_router.workers.pool import WorkerPool

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from glm5_router.parsing.reasoning import ReasoningParser
-from glm5_router.parsing.tools import ShellPolicy, ToolCall, ToolCallError, ToolCallParser, ToolRegistry
+from glm5.parsing.reasoning import ReasoningParser
+from glm5.parsing.tools import ShellPolicy, ToolCall, ToolCallError, ToolCallParser, ToolRegistry
 
 TEXT = "<think>Let me add: 2 + 2 = 4.</think>The answer is 4."
 
@@ -161,8 +161,8 @@ def test_tool_choice_grammar_only_admits_calls_the_registry_accepts() -> None:
 
     import llguidance
     import numpy as np
+    from glm5.parsing.tools import TAGS
     from glm5.tokenizer.tokenizer import Tokenizer
-    from glm5_router.parsing.tools import TAGS
 
     tok = Tokenizer(Path(__file__).parents[3] / "common/glm5/assets/glm5-tiny-addition")
     lltok = llguidance.LLTokenizer(tok.files[0].decode(), n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids())

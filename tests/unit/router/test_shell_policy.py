@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from glm5_router.parsing.shell_policy import violation
-from glm5_router.parsing.tools import ShellPolicy
+from glm5.parsing.shell_policy import violation
+from glm5.parsing.tools import ShellPolicy
 
 DATA = Path(__file__).parent / "data"
 

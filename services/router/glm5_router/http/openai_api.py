@@ -27,6 +27,9 @@ import orjson
 import yaml
 from aiohttp import web
 from glm5.errors import UnavailableError
+from glm5.parsing.reasoning import THINK_CLOSE, THINK_OPEN
+from glm5.parsing.tools import TAGS as TOOL_TAGS
+from glm5.parsing.tools import ToolCall, ToolCallError, ToolRegistry
 from glm5.security import Secret
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2
@@ -34,9 +37,6 @@ from glm5.v1 import common_pb2, worker_pb2
 from glm5_router.frontend import INLINE_CHARS, Delta, Frontend, GenerateInput
 from glm5_router.http import params as fields
 from glm5_router.http.errors import ApiError, auth_middleware, errors_middleware, sealed_only_middleware, to_api_error
-from glm5_router.parsing.reasoning import THINK_CLOSE, THINK_OPEN
-from glm5_router.parsing.tools import TAGS as TOOL_TAGS
-from glm5_router.parsing.tools import ToolCall, ToolCallError, ToolRegistry
 
 log = logging.getLogger(__name__)
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",

@@ -18,9 +18,9 @@ from typing import Any
 
 import jsonschema
 
-from glm5_router.parsing.reasoning import _partial_suffix
-from glm5_router.parsing.shell_policy import SHELLS
-from glm5_router.parsing.shell_policy import violation as shell_violation
+from glm5.parsing.reasoning import _partial_suffix
+from glm5.parsing.shell_policy import SHELLS
+from glm5.parsing.shell_policy import violation as shell_violation
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -66,7 +66,7 @@ def signature(name: str, parameters: dict[str, Any]) -> str:
 
 
 class ShellPolicy:
-    """Which tool arguments are shell commands, judged by glm5_router.parsing.shell_policy. An argument is one
+    """Which tool arguments are shell commands, judged by glm5.parsing.shell_policy. An argument is one
     when its schema says so (`"x-shell-command": true`: any tool, any name), or when the tool's name is one of
     the usual shell-tool names (any case) and the argument one of the usual command names. A string is a
     command line; an array of strings is an argv (`["bash", "-c", "..."]` judges the script)."""
