@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="rl-out",
                    help="checkpoints, history.jsonl, summary.json and rl.png; a folder that holds an earlier run "
                    "resumes it (up to --steps in total)")  # fmt: skip
+    p.add_argument("--env", default="addition", choices=["addition", "tools"],
+                   help="reward environment: addition (one turn), tools (multi-turn calculator calls)")  # fmt: skip
     p.add_argument("--mode", default="async", choices=["async", "sync"])
     p.add_argument("--steps", type=int, default=40, help="optimizer steps for the run, counting resumed ones")
     p.add_argument("--learning-rate", type=float, default=1e-4)
@@ -71,8 +73,9 @@ def run(a: argparse.Namespace) -> None:
                                        gateway.rpartition(":")[2], *engine_flags, *redis]))  # fmt: skip
         wait_serving(gateway, procs[-1], 60, "TITO gateway")
         trainer = subprocess.Popen([*python, "trainer", "--policy", str(model), "--gateway", gateway, *engine_flags,
-                                    "--checkpoint-dir", str(out), "--mode", a.mode, "--steps", str(a.steps),
-                                    "--learning-rate", str(a.learning_rate), "--seed", str(a.seed), *redis, *admin,
+                                    "--checkpoint-dir", str(out), "--environment", a.env, "--mode", a.mode,
+                                    "--steps", str(a.steps), "--learning-rate", str(a.learning_rate),
+                                    "--seed", str(a.seed), *redis, *admin,
                                     *a.trainer_arg], env=env)  # fmt: skip
         procs.append(trainer)
         code = trainer.wait()

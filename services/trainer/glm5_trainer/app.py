@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", default=[], help="rollout engine host:port to sync (repeatable)")
     p.add_argument("--engines", help="host:port of the engines' headless Service (every A record is an engine)")
     p.add_argument("--checkpoint-dir", default="rl-out", help="versioned checkpoints, history, plot")
-    p.add_argument("--environment", default=d.environment, help="reward environment (addition)")
+    p.add_argument("--environment", default=d.environment, help="reward environment (addition, tools)")
     p.add_argument("--dataset", default=d.dataset, help="'builtin' or a JSONL file of problems")
     p.add_argument("--mode", default=d.mode, choices=MODES)
     p.add_argument("--steps", type=int, default=d.steps,

@@ -35,9 +35,9 @@ from glm5.rl.samples import oldest_version, select
 from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
-from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
+from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2
 
-from glm5_trainer.environment import Problem
+from glm5_trainer.environment import Outcome, Problem, evaluation_summary
 from glm5_trainer.loss import TrustRegion
 from glm5_trainer.policy import Policy, StepStats
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
@@ -124,6 +124,8 @@ class Result:
     counters: dict[str, int]
     sync_seconds: list[float]
     history: list[dict[str, Any]]
+    evaluation_before: dict[str, Any] | None = None  # accuracy and tool calls (environment.evaluation_summary)
+    evaluation_after: dict[str, Any] | None = None
 
 
 def latest_published(out: Path) -> tuple[int, Path] | None:
@@ -165,6 +167,7 @@ class RLRun:
         self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
         self.sync_seconds: list[float] = []
         self.history: list[dict[str, Any]] = []
+        self.last_eval: dict[str, Any] | None = None
         self._pushing: asyncio.Task[None] | None = None
         self.gateway: tito_pb2_grpc.TitoGatewayStub | None = None
         self._buffer: RedisBuffer | None = None
@@ -242,27 +245,36 @@ class RLRun:
         return sorted(addresses)
 
     async def evaluate(self) -> float | None:
-        """Greedy exact-answer accuracy on the held-out problems, on the engines (the synced weights)."""
+        """Greedy final-answer accuracy on the held-out problems, played out on the engines (the synced weights);
+        the tool calls of the episodes go to `last_eval`."""
         problems = self.eval_problems[: self.c.eval_size]
         if not problems:
             return None
         clients = [WorkerClient(e, self.c.tls) for e in await self.live_engines()]
         slots = asyncio.Semaphore(32 * len(clients))
 
-        async def one(i: int, p: Problem) -> float:
-            request = worker_pb2.GenerateRequest(
-                prompt_token_ids=self.driver.prompt_ids(p), skip_special_tokens=True,
-                sampling=sampling(temperature=0.0, max_new_tokens=self.c.max_new_tokens),
-            )  # fmt: skip
-            async with slots:
-                text = "".join([r.text async for r in clients[i % len(clients)].generate(request, timeout=600)])
-            return self.env.reward(p, text)
+        async def one(i: int, p: Problem) -> Outcome:
+            async def generate(context: list[int]) -> tuple[list[int], bool]:
+                request = worker_pb2.GenerateRequest(
+                    prompt_token_ids=context,
+                    sampling=sampling(temperature=0.0, max_new_tokens=self.c.max_new_tokens),
+                )  # fmt: skip
+                ids: list[int] = []
+                finish = common_pb2.FINISH_REASON_UNSPECIFIED
+                async with slots:
+                    async for r in clients[i % len(clients)].generate(request, timeout=600):
+                        ids.extend(r.token_ids)
+                        finish = r.finish_reason or finish
+                return ids, finish == common_pb2.FINISH_REASON_LENGTH
+
+            return await self.env.play(p, self.driver.prompt_ids(p), generate, self.driver.tok)
 
         try:
-            scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
+            outcomes = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
         finally:
             await asyncio.gather(*(c.close() for c in clients))
-        return sum(scores) / len(scores)
+        self.last_eval = evaluation_summary(outcomes)
+        return float(self.last_eval["accuracy"])
 
     async def adopt_engines(self) -> None:
         """Engines that already serve a later version (a restarted trainer, a second run) only accept newer
@@ -366,7 +378,8 @@ class RLRun:
             await self.adopt_engines()
             self.phase = "evaluating"
             before = await self.evaluate()
-            log.info("held-out accuracy before RL: %s", before)
+            eval_before = self.last_eval
+            log.info("held-out accuracy before RL: %s (%s)", before, eval_before)
             self.driver.gateway = self.gateway
             if self.c.mode == "async":
                 self._producer = ProducerProcess(self.c, self.run_id, self._group_finished)
@@ -406,13 +419,14 @@ class RLRun:
                 self.counters.update(self.driver.counters)
             self.phase = "evaluating"
             after = await self.evaluate()
-            log.info("held-out accuracy after RL: %s", after)
+            log.info("held-out accuracy after RL: %s (%s)", after, self.last_eval)
         self.phase = "done"
         result = Result(
             accuracy_before=before, accuracy_after=after, train_seconds=train_seconds,
             trained_samples=len(self.history) * self.c.groups_per_step * self.c.group_size,
             final_version=self.versions.synced, final_checkpoint=str(self.versions.synced_path(self.versions.synced)),
             counters=dict(self.counters), sync_seconds=self.sync_seconds, history=self.history,
+            evaluation_before=eval_before, evaluation_after=self.last_eval if after is not None else None,
         )  # fmt: skip
         self._write(result)
         if self.complete:
@@ -451,11 +465,12 @@ class RLRun:
         else:
             self._release(step)
         accuracy = await self.evaluate() if self.c.eval_every and step % self.c.eval_every == 0 else None
+        evaluation = {"evaluation": self.last_eval} if accuracy is not None else {}
         oldest = min(oldest_version(r) for r in samples)
         row = {"step": step, "job_step": self.versions.steps, "seconds": round(time.perf_counter() - start, 3),
                "version": self.versions.latest,
                "max_staleness": self.versions.latest - 1 - oldest, **asdict(stats), **phases, "accuracy": accuracy,
-               "sync_seconds": self.sync_seconds[-1] if self.sync_seconds else None}  # fmt: skip
+               "sync_seconds": self.sync_seconds[-1] if self.sync_seconds else None, **evaluation}  # fmt: skip
         self.history.append(row)
         postfix = {"reward": f"{stats.reward:.2f}"}
         if accuracy is not None:

@@ -40,7 +40,7 @@ class RolloutDriver:
         self.run_id = run_id
         self.on_group = on_group  # (group id, records its rollouts wrote to the buffer)
         self.env: ExactAnswer = environment(config.environment)
-        self.train_problems, self.eval_problems = load_problems(config.dataset, seed=config.split_seed)
+        self.train_problems, self.eval_problems = load_problems(config.dataset, self.env, seed=config.split_seed)
         self.tok = Tokenizer(config.policy)
         self.rng = random.Random(config.seed)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -52,7 +52,8 @@ class RolloutDriver:
 
     def prompt_ids(self, p: Problem) -> list[int]:
         if p.id not in self._prompts:
-            self._prompts[p.id] = self.tok.encode(self.tok.apply_chat_template(list(p.messages), enable_thinking=True))
+            text = self.tok.apply_chat_template(list(p.messages), tools=list(p.tools) or None, enable_thinking=True)
+            self._prompts[p.id] = self.tok.encode(text)
         return self._prompts[p.id]
 
     def advance(self, steps_done: int) -> None:
@@ -62,25 +63,36 @@ class RolloutDriver:
 
     async def _rollout(self, p: Problem, group_id: str, rollout_id: str, seed: int) -> bool:
         assert self.gateway is not None
-        request = tito_pb2.TurnRequest(
-            rollout_id=rollout_id, group_id=group_id, context_token_ids=self.prompt_ids(p),
-            sampling=sampling(temperature=self.c.temperature, max_new_tokens=self.c.max_new_tokens, seed=seed),
-            stream_interval=self.c.max_new_tokens,  # the environment scores whole turns: one message per turn
-        )  # fmt: skip
-        ids: list[int] = []
-        finish = common_pb2.FINISH_REASON_UNSPECIFIED
-        try:
-            async for r in self.gateway.Turn(request):
+        gateway, turns = self.gateway, 0
+
+        async def turn(context: list[int]) -> tuple[list[int], bool]:
+            nonlocal turns
+            request = tito_pb2.TurnRequest(
+                rollout_id=rollout_id, group_id=group_id, context_token_ids=context,
+                sampling=sampling(temperature=self.c.temperature, max_new_tokens=self.c.max_new_tokens,
+                                  seed=seed + turns),
+                stream_interval=self.c.max_new_tokens,  # the environment reads whole turns: one message per turn
+            )  # fmt: skip
+            turns += 1
+            ids: list[int] = []
+            finish = common_pb2.FINISH_REASON_UNSPECIFIED
+            async for r in gateway.Turn(request):
                 ids.extend(r.token_ids)
                 finish = r.finish_reason or finish
-            truncated = finish == common_pb2.FINISH_REASON_LENGTH
-            status = tito_pb2.ROLLOUT_STATUS_TRUNCATED if truncated else tito_pb2.ROLLOUT_STATUS_COMPLETED
-            reward = self.env.reward(p, self.tok.decode(ids, skip_special_tokens=True))
+            return ids, finish == common_pb2.FINISH_REASON_LENGTH
+
+        try:
+            outcome = await self.env.play(p, self.prompt_ids(p), turn, self.tok)
+            status = tito_pb2.ROLLOUT_STATUS_TRUNCATED if outcome.truncated else tito_pb2.ROLLOUT_STATUS_COMPLETED
+            reward = outcome.reward
+            calls = {"tool_calls": outcome.calls, "tool_calls_unknown": outcome.unknown,
+                     "tool_calls_malformed": outcome.malformed}  # fmt: skip
+            self.counters.update({k: v for k, v in calls.items() if v})
         except grpc.aio.AioRpcError as exc:
             log.warning("rollout %s failed: %s %s", rollout_id, exc.code().name, exc.details())
             status, reward = tito_pb2.ROLLOUT_STATUS_FAILED, 0.0
         try:
-            await self.gateway.FinishRollout(
+            await gateway.FinishRollout(
                 tito_pb2.FinishRolloutRequest(rollout_id=rollout_id, reward=reward, status=status)
             )
         except grpc.aio.AioRpcError as exc:
