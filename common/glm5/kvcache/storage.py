@@ -184,6 +184,13 @@ class PagedKVStorage:
         flat = slots.reshape(-1)
         n_fp = self.layout.num_fp_slots
         is_q = flat >= n_fp
+        if torch.compiler.is_compiling():
+            # A compiled step cannot split the slots by tier (data-dependent sizes break the graph, and the
+            # pieces would compile anew for every split seen while serving): both tiers are read at clamped
+            # slots and one kept, in one fused loop.
+            q = dequantise((flat - n_fp).clamp(min=0))
+            own = fp.index_select(0, flat.clamp(max=max(n_fp - 1, 0))).to(dtype)
+            return torch.where(is_q.unsqueeze(1), q, own).view(*slots.shape, fp.shape[-1])
         out = torch.empty(flat.shape[0], fp.shape[-1], dtype=dtype, device=fp.device)
         q_pos = is_q.nonzero().squeeze(1)
         fp_pos = (~is_q).nonzero().squeeze(1)

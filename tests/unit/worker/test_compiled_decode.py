@@ -75,6 +75,24 @@ def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: 
         assert mine.entropy_short is not None and mine.entropy_short == pytest.approx(theirs.entropy_short, rel=1e-4)
 
 
+def test_compiled_decode_reads_the_int8_tier(tmp_path: Path) -> None:
+    """Tokens older than l1_tokens move to the INT8 tier: a compiled step reads both tiers inside its graph (the
+    eager split by tier broke the graph, and its pieces recompiled, and failed, while serving)."""
+    hf_checkpoint(tmp_path / "m", seed=3, vocab_size=1024, **PARITY["shared-indexer"])
+    write_tokenizer(tmp_path / "m")
+    eager = engine(tmp_path / "m", True, tmp_path / "cache", kv_int8_tier=True, l1_tokens=32)
+    compiled = engine(tmp_path / "m", False, tmp_path / "cache", kv_int8_tier=True, l1_tokens=32)
+    demoted: list[tuple[int, int]] = []
+    demote = compiled.runner.demote
+    compiled.runner.demote = lambda copies: (demoted.extend(copies), demote(copies))[1]  # type: ignore[method-assign]
+    ps = prompts([70, 100], seed=2)
+    for together in (False, True):
+        assert generate(compiled, ps, 24, together) == generate(eager, ps, 24, together), f"together={together}"
+    runner = compiled.runner.compiled
+    assert runner is not None and runner.steps == 2 * 23 + 23 and runner.fallbacks == 0
+    assert demoted  # the steps did read blocks from the INT8 tier
+
+
 def test_compiled_steps_read_swapped_weights(tmp_path: Path) -> None:
     """RL copies new weights into the live tensors between steps: the compiled graphs must read them (parameters
     are graph inputs, never constants folded in at compile time)."""

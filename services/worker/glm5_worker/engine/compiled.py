@@ -175,7 +175,11 @@ class CompiledDecode:
             # never compile while serving: a step that needs a new graph runs eagerly
             with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
                 logits, entropy = self._fn(*args)
-        except torch._dynamo.exc.RecompileError as exc:
+        except (torch._dynamo.exc.RecompileError, RuntimeError) as exc:
+            # a frame after a graph break that would recompile raises a plain RuntimeError; the eager rerun
+            # writes the same KV rows again, so a step cut short there is safe to repeat
+            if not isinstance(exc, torch._dynamo.exc.RecompileError) and "fail_on_recompile" not in str(exc):
+                raise
             self.fallbacks += 1
             if self.fallbacks == 1:
                 log.info("a decode step needs a graph not compiled at start-up; it runs eagerly (%s)", exc)
