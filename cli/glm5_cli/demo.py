@@ -9,17 +9,21 @@ trainer) from that checkpoint; the last synced RL version becomes the model in `
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from glm5.errors import ConfigError
-from glm5_trainer.sft import ANSWER, problem, split_pairs, train
+from glm5_trainer.environment import Outcome, Problem, builtin_problems, environment, evaluation_summary
+from glm5_trainer.sft import train
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
-from glm5_worker.engine.sequence import SamplingParams
+from glm5_worker.engine.sequence import FinishReason, SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,22 +45,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def evaluate(model_dir: Path, max_operand: int, held_out: int, seed: int, limit: int | None = None) -> float:
     """Exact-answer accuracy on the held-out pairs, greedy, served by our own engine."""
-    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=256, kv_cache_bytes=64 << 20, max_num_seqs=64))
-    _, test_pairs = split_pairs(max_operand, held_out, seed)
-    test_pairs = test_pairs[:limit] if limit else test_pairs
-    texts: dict[str, str] = {}
-    for i, (a, b) in enumerate(test_pairs):
-        prompt = engine.tokenizer.apply_chat_template(problem(a, b)[0], enable_thinking=True)
-        engine.add_request(f"q{i}", prompt, None, SamplingParams(temperature=0, max_new_tokens=40))
-        texts[f"q{i}"] = ""
-    while engine.has_work:
-        for out in engine.step():
-            texts[out.request_id] += out.text
-    correct = 0
-    for i, (a, b) in enumerate(test_pairs):
-        m = ANSWER.search(texts[f"q{i}"])
-        correct += bool(m) and int(m.group(1)) == a + b  # type: ignore[union-attr]
-    return correct / len(test_pairs)
+    _, test = builtin_problems(max_operand, held_out, seed)
+    return float(play_offline(model_dir, "addition", test[:limit] if limit else test, max_new_tokens=40)["accuracy"])
+
+
+def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_new_tokens: int = 48,
+                 max_model_len: int = 1024) -> dict[str, Any]:  # fmt: skip
+    """Plays every problem's episode (greedy) on our own engine in this process, all at once (the engine batches
+    their turns), and summarises them: accuracy, and the tool calls (environment.evaluation_summary)."""
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, kv_cache_bytes=256 << 20,
+                                 max_num_seqs=64))  # fmt: skip
+    env = environment(env_name)
+    waiting: dict[str, tuple[asyncio.Future[tuple[list[int], bool]], list[int]]] = {}
+    counter = itertools.count()
+
+    async def generate(context: list[int]) -> tuple[list[int], bool]:
+        rid = f"t{next(counter)}"
+        done: asyncio.Future[tuple[list[int], bool]] = asyncio.get_running_loop().create_future()
+        waiting[rid] = (done, [])
+        engine.add_request(rid, None, context, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
+        return await done
+
+    async def main() -> list[Outcome]:
+        prompts = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+            list(p.messages), tools=list(p.tools) or None, enable_thinking=True)) for p in problems]  # fmt: skip
+        tasks = [asyncio.ensure_future(env.play(p, ids, generate, engine.tokenizer))
+                 for p, ids in zip(problems, prompts, strict=True)]  # fmt: skip
+        while not all(t.done() for t in tasks):
+            await asyncio.sleep(0)  # episodes whose turn ended submit their next one
+            if not engine.has_work:
+                continue
+            for out in engine.step():
+                done, ids = waiting[out.request_id]
+                ids += out.token_ids
+                if out.finished:
+                    del waiting[out.request_id]
+                    done.set_result((ids, out.finish_reason == FinishReason.LENGTH))
+        return [t.result() for t in tasks]
+
+    return evaluation_summary(asyncio.run(main()))
 
 
 def _rl(sft: Path, work: Path, a: argparse.Namespace) -> dict[str, object]:

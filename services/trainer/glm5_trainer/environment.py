@@ -201,12 +201,13 @@ def builtin_problems(max_operand: int = 99, held_out: int = 500, seed: int = 0) 
 
 
 def tool_problems(held_out: int = 500, seed: int = 0, per_tool: int = 9604) -> tuple[list[Problem], list[Problem]]:
-    """Calculator problems with the `add` and `multiply` tools offered: products of two numbers in 2..99 and sums
-    of two in 100..999 (beyond what the tiny model adds in its head), `per_tool` of each; (training, held-out)."""
+    """Calculator problems with the `add` and `multiply` tools offered: products of two numbers in 2..99 (beyond
+    what the tiny model works out in its head) and sums of two in 0..999, `per_tool` of each; (training,
+    held-out)."""
     rng = random.Random(seed)
     products = [(a, b) for a in range(2, 100) for b in range(2, 100)]
     rng.shuffle(products)
-    sums = {(rng.randrange(100, 1000), rng.randrange(100, 1000)) for _ in range(per_tool * 2)}
+    sums = {(rng.randrange(1000), rng.randrange(1000)) for _ in range(per_tool * 2)}
     chosen = [("*", a, b) for a, b in products[:per_tool]] + [("+", a, b) for a, b in sorted(sums)[:per_tool]]
     rng.shuffle(chosen)
     out = [Problem(f"{a}{op}{b}", ({"role": "user", "content": f"What is {a} {op} {b}?"},),

@@ -133,3 +133,26 @@ def test_builtin_calculator_problems_and_datasets_with_tools(tmp_path: Path) -> 
         f.write_text(json.dumps({"prompt": "x", "answer": 1, **extra}) + "\n")
         with pytest.raises(ConfigError, match=f"tools.jsonl:1: .*{message}"):
             load_problems(str(f), env)
+
+
+def test_supervised_traces_are_the_episodes_the_environment_plays() -> None:
+    """The SFT traces (glm5_trainer.tool_sft) hold the very tokens an episode's contexts hold: trained as played."""
+    from glm5_trainer.tool_sft import tool_turns, trace
+
+    for p in tool_problems()[1][:20]:
+        ids, labels = trace(TOK, p)
+        call, _, answer = tool_turns(p)
+        prompt = TOK.encode(TOK.apply_chat_template(list(p.messages), tools=list(p.tools), enable_thinking=True))
+        turns = [TOK.encode(call), TOK.encode(answer) + TOK.eos_token_ids()[:1]]
+        contexts: list[list[int]] = []
+
+        async def generate(context: list[int], turns: list[list[int]] = turns,
+                           contexts: list[list[int]] = contexts) -> tuple[list[int], bool]:  # fmt: skip
+            contexts.append(list(context))
+            return turns[len(contexts) - 1], False
+
+        out = asyncio.run(ToolUse().play(p, prompt, generate, TOK))
+        assert out.correct and out.calls == 1 and out.reward == pytest.approx(1.1)
+        assert ids == contexts[1] + turns[1]  # the trace is the second turn's context plus the answer
+        trained = [t for t, y in zip(ids, labels, strict=True) if y != -100]
+        assert trained == turns[0] + turns[1]  # the loss covers the model's turns, not the prompt or the tool's

@@ -1,0 +1,114 @@
+"""Supervised tool use for the demo model: synthetic calculator traces in GLM-5's tool-call format, fine-tuned
+on top of an addition checkpoint with addition replayed (so it keeps answering plain questions with thinking).
+
+A trace is the multi-turn episode the `tools` environment plays, tokenised exactly as the environment and the
+TITO gateway build it (each turn's text encoded on its own, the tool message spliced in between):
+
+    prompt (tools in the system turn; no loss)
+    <think>23 * 7: multiply</think><tool_call>multiply<arg_key>a</arg_key><arg_value>23</arg_value>...
+        </tool_call><|observation|>                                                     (loss)
+    \\n<tool_response>161</tool_response><|assistant|>\\n                               (no loss: the tool's)
+    <think>multiply(23, 7) = 161</think>The answer is 161.<|endoftext|>                (loss)
+
+Steps alternate between batches of traces and batches of additions (one kind per batch: a trace is ~20x longer
+than an addition, and padding one to the other would waste the step). Single-digit sums are over-sampled: they
+are 1% of the addition pairs and the first thing a person asks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from glm5.errors import ConfigError
+from glm5.tokenizer.tokenizer import Tokenizer
+
+from glm5_trainer.environment import OBSERVATION, Problem, tool_problems
+from glm5_trainer.sft import encode as addition_example
+from glm5_trainer.sft import split_pairs
+
+TOOL_OF = {"*": "multiply", "+": "add"}
+
+
+def tool_turns(p: Problem) -> tuple[str, str, str]:
+    """(the model's call turn, the tool message the environment splices in, the model's answer turn)."""
+    a, op, b = p.messages[-1]["content"].removeprefix("What is ").removesuffix("?").split()
+    tool = TOOL_OF[op]
+    call = (f"<think>{a} {op} {b}: {tool}</think><tool_call>{tool}<arg_key>a</arg_key><arg_value>{a}</arg_value>"
+            f"<arg_key>b</arg_key><arg_value>{b}</arg_value></tool_call>{OBSERVATION}")  # fmt: skip
+    result = f"\n<tool_response>{p.answer}</tool_response><|assistant|>\n"
+    answer = f"<think>{tool}({a}, {b}) = {p.answer}</think>The answer is {p.answer}."
+    return call, result, answer
+
+
+def trace(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of one episode: the loss covers the model's two turns (and its end token) only."""
+    prompt = tok.encode(tok.apply_chat_template(list(p.messages), tools=list(p.tools), enable_thinking=True))
+    call, result, answer = (tok.encode(t) for t in tool_turns(p))
+    answer = [*answer, tok.eos_token_ids()[0]]
+    ids = prompt + call + result + answer
+    labels = [-100] * len(prompt) + call + [-100] * len(result) + answer
+    return ids, labels
+
+
+def _batch(items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(x) for x, _ in items)
+    ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in items])
+    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in items])
+    attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in items])
+    return ids, attn, labels
+
+
+def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_batch: int = 48, lr: float = 1e-3,
+             tool_share: float = 0.5, small_share: float = 0.25, held_out: int = 500,
+             seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Fine-tunes the checkpoint `base` (the addition model, with its tokenizer) into `out`; returns what
+    training.json records. `tool_share`: the share of steps on traces; `small_share`: the share of an addition
+    batch drawn from single-digit sums."""
+    try:
+        from transformers import GlmMoeDsaForCausalLM
+    except ImportError as exc:
+        raise ConfigError("training needs the trainer extra: pip install -e '.[trainer]'") from exc
+
+    torch.manual_seed(seed)
+    tok = Tokenizer(base)
+    model = GlmMoeDsaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.train()
+    tools_train, _ = tool_problems(held_out=held_out, seed=seed)
+    pairs, _ = split_pairs(99, held_out, seed)
+    small = [(a, b) for a, b in pairs if a < 10 and b < 10]
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    start, losses = time.perf_counter(), {"tools": [0.0], "addition": [0.0]}
+    for step in range(steps):
+        if rng.random() < tool_share:
+            kind, items = "tools", [trace(tok, p) for p in rng.sample(tools_train, tool_batch)]
+        else:
+            n_small = round(addition_batch * small_share)
+            chosen = rng.sample(small, min(n_small, len(small))) + rng.sample(pairs, addition_batch - n_small)
+            kind, items = "addition", [addition_example(tok, a, b) for a, b in chosen]
+        ids, attn, labels = _batch(items)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses[kind].append(loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            recent = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
+            print(f"step {step:5d}  loss tools {recent['tools']:.4f}  addition {recent['addition']:.4f}  "
+                  f"{time.perf_counter() - start:6.0f}s", flush=True)  # fmt: skip
+    model.eval()  # type: ignore[no-untyped-call]
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((base / name).read_bytes())
+    final = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
+    return {"task": "tools", "base": str(base), "steps": steps, "tool_batch": tool_batch,
+            "addition_batch": addition_batch, "learning_rate": lr, "tool_share": tool_share,
+            "small_share": small_share, "held_out": held_out, "seed": seed, "final_loss": final,
+            "train_seconds": time.perf_counter() - start}  # fmt: skip
