@@ -53,8 +53,10 @@ def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_ne
                  max_model_len: int = 1024) -> dict[str, Any]:  # fmt: skip
     """Plays every problem's episode (greedy) on our own engine in this process, all at once (the engine batches
     their turns), and summarises them: accuracy, and the tool calls (environment.evaluation_summary)."""
+    # eager: the same greedy tokens as compiled steps (tests/unit/worker/test_compiled_decode.py) without minutes
+    # of compiling for a one-off evaluation
     engine = Engine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, kv_cache_bytes=256 << 20,
-                                 max_num_seqs=64))  # fmt: skip
+                                 max_num_seqs=64, enforce_eager=True))  # fmt: skip
     env = environment(env_name)
     waiting: dict[str, tuple[asyncio.Future[tuple[list[int], bool]], list[int]]] = {}
     counter = itertools.count()

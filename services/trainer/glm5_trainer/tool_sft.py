@@ -12,7 +12,10 @@ TITO gateway build it (each turn's text encoded on its own, the tool message spl
 
 Steps alternate between batches of traces and batches of additions (one kind per batch: a trace is ~20x longer
 than an addition, and padding one to the other would waste the step). Single-digit sums are over-sampled: they
-are 1% of the addition pairs and the first thing a person asks.
+are 1% of the addition pairs and the first thing a person asks. A share of the additions answer in JSON after
+their thinking (`<think>12 + 30 = 42</think>{"answer": 42}`): nothing in the prompt asks for it (as with
+`response_format`, which adds nothing to the prompt), so greedy text stays "The answer is 42."; when a JSON
+Schema forces `{"answer": ` the model has learnt what follows, the number and the closing brace.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ def trace(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
+def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
+    """An addition answered as {"answer": N} (compact JSON, as the worker's JSON formats emit it)."""
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}],
+                                                enable_thinking=True))  # fmt: skip
+    answer = [*tok.encode(f'<think>{a} + {b} = {a + b}</think>{{"answer": {a + b}}}'), tok.eos_token_ids()[0]]
+    return prompt + answer, [-100] * len(prompt) + answer
+
+
 def _batch(items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(x) for x, _ in items)
     ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in items])
@@ -63,11 +74,11 @@ def _batch(items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torc
 
 
 def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_batch: int = 48, lr: float = 1e-3,
-             tool_share: float = 0.5, small_share: float = 0.25, held_out: int = 500,
+             tool_share: float = 0.5, small_share: float = 0.25, json_share: float = 0.15, held_out: int = 500,
              seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Fine-tunes the checkpoint `base` (the addition model, with its tokenizer) into `out`; returns what
     training.json records. `tool_share`: the share of steps on traces; `small_share`: the share of an addition
-    batch drawn from single-digit sums."""
+    batch drawn from single-digit sums; `json_share`: the share answered in JSON."""
     try:
         from transformers import GlmMoeDsaForCausalLM
     except ImportError as exc:
@@ -90,7 +101,11 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
         else:
             n_small = round(addition_batch * small_share)
             chosen = rng.sample(small, min(n_small, len(small))) + rng.sample(pairs, addition_batch - n_small)
-            kind, items = "addition", [addition_example(tok, a, b) for a, b in chosen]
+            rng.shuffle(chosen)
+            n_json = round(addition_batch * json_share)
+            kind = "addition"
+            items = [json_answer(tok, a, b) for a, b in chosen[:n_json]]
+            items += [addition_example(tok, a, b) for a, b in chosen[n_json:]]
         ids, attn, labels = _batch(items)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
@@ -110,5 +125,5 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
     final = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
     return {"task": "tools", "base": str(base), "steps": steps, "tool_batch": tool_batch,
             "addition_batch": addition_batch, "learning_rate": lr, "tool_share": tool_share,
-            "small_share": small_share, "held_out": held_out, "seed": seed, "final_loss": final,
-            "train_seconds": time.perf_counter() - start}  # fmt: skip
+            "small_share": small_share, "json_share": json_share, "held_out": held_out, "seed": seed,
+            "final_loss": final, "train_seconds": time.perf_counter() - start}  # fmt: skip

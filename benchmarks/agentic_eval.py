@@ -1,0 +1,53 @@
+"""Held-out evaluation of a demo checkpoint as a tool user: the `tools` environment's 500 held-out calculator
+problems (multi-turn: the model calls `add` / `multiply`, the environment answers, the model answers) and the 500
+held-out plain additions (no tools), greedy, played on our own engine in this process (glm5_cli.demo.
+play_offline). Prints, per model: final-answer accuracy on both sets, tool-call validity (parsed, registered,
+schema-valid calls over all calls), calls to unregistered tools, malformed calls, mean turns, and the answers
+to the README's first questions.
+
+Usage: python benchmarks/agentic_eval.py --model DIR [--model DIR ...] [--limit N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from glm5.model.presets import SHIPPED_MODEL
+from glm5_cli.demo import play_offline
+from glm5_trainer.environment import Problem, builtin_problems, tool_problems
+
+FIRST_QUESTIONS = [(1, 1), (1, 2), (2, 2), (12, 30)]
+
+
+def first_answers(model: Path) -> str:
+    """How many of the README's first questions the model answers right (greedy)."""
+    problems = [Problem(f"{a}+{b}", ({"role": "user", "content": f"What is {a} + {b}?"},), str(a + b))
+                for a, b in FIRST_QUESTIONS]  # fmt: skip
+    s = play_offline(model, "addition", problems, max_new_tokens=40)
+    return f"{s['accuracy']:.0%} right"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, action="append", help="checkpoint (repeatable; default: the shipped one)")
+    p.add_argument("--limit", type=int, help="problems per set (default: all 500)")
+    a = p.parse_args()
+    _, tools_held_out = tool_problems()
+    _, additions_held_out = builtin_problems()
+    print("| model | set | problems | accuracy | tool-call validity | unknown calls | malformed | mean turns | s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for model in a.model or [SHIPPED_MODEL]:
+        for name, env, problems in (("tools", "tools", tools_held_out), ("addition", "addition", additions_held_out)):
+            start = time.perf_counter()
+            s = play_offline(model, env, problems[: a.limit] if a.limit else problems)
+            validity = "-" if s["tool_call_validity"] is None else f"{s['tool_call_validity']:.1%}"
+            print(f"| {model.name} | {name} | {s['problems']} | {s['accuracy']:.1%} | {validity} | "
+                  f"{s['unknown_tool_calls']} | {s['malformed_tool_calls']} | {s['mean_turns']:.2f} | "
+                  f"{time.perf_counter() - start:.0f} |", flush=True)  # fmt: skip
+        print(f"| {model.name} | 1+1, 1+2, 2+2, 12+30 | 4 | {first_answers(model)} | | | | | |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
