@@ -1,9 +1,10 @@
 """`glm5 demo-model`: train the shipped demo model and measure it with our own engine.
 
-Two stages, one command: supervised training (glm5_trainer.sft) for `--stop-at` steps of a `--steps`-step
+Stages, one command: supervised training (glm5_trainer.sft) for `--stop-at` steps of a `--steps`-step
 schedule, then `--rl-steps` steps of the asynchronous RL loop (`glm5 rl`: rollout workers, TITO gateway,
-trainer) from that checkpoint; the last synced RL version becomes the model in `--out`, with `training.json`
-(both stages, accuracy before and after RL) and the run's `rl.png` next to the work folder.
+trainer) from that checkpoint, then (`--tool-steps`) supervised tool use (glm5_trainer.tool_sft) on top; the
+last stage's model goes to `--out`, with `training.json` (every stage, accuracy before and after RL, the tool
+evaluation) and the RL run's `rl.png` in the work folder.
 """
 
 from __future__ import annotations
@@ -19,8 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from glm5.errors import ConfigError
-from glm5_trainer.environment import Outcome, Problem, builtin_problems, environment, evaluation_summary
+from glm5_trainer.environment import (
+    Outcome,
+    Problem,
+    builtin_problems,
+    environment,
+    evaluation_summary,
+    tool_problems,
+)
 from glm5_trainer.sft import train
+from glm5_trainer.tool_sft import finetune
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import FinishReason, SamplingParams
@@ -39,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-steps", type=int, default=200, help="RL steps after supervised training (0: none)")
     p.add_argument("--rl-lr", type=float, default=1e-4)
     p.add_argument("--rl-seed", type=int, default=0, help="RL problem order and sampling (the split is --seed's)")
+    p.add_argument("--tool-steps", type=int, default=0,
+                   help="after RL: supervised tool-use steps (tool traces, replayed additions; 0: none)")  # fmt: skip
     p.add_argument("--work", type=Path, help="stage folders (default: OUT.work)")
     p.add_argument("--eval-only", action="store_true", help="only measure an existing checkpoint")
 
@@ -106,8 +117,10 @@ def run(a: argparse.Namespace) -> None:
     if a.eval_only:
         print(f"held-out accuracy: {evaluate(a.out, a.max_operand, a.held_out, a.seed):.1%}")
         return
-    if a.rl_steps < 0 or (a.stop_at is not None and not 0 < a.stop_at <= a.steps):
-        raise ConfigError("--rl-steps >= 0 and 0 < --stop-at <= --steps")
+    if a.rl_steps < 0 or a.tool_steps < 0 or (a.stop_at is not None and not 0 < a.stop_at <= a.steps):
+        raise ConfigError("--rl-steps >= 0, --tool-steps >= 0 and 0 < --stop-at <= --steps")
+    if a.tool_steps and not a.rl_steps:
+        raise ConfigError("--tool-steps trains on top of the RL stage: give --rl-steps too")
     if a.rl_steps and (a.max_operand != 99 or a.held_out > 500):
         raise ConfigError("the RL stage trains on the built-in split: --max-operand 99 and --held-out <= 500")
     if not a.rl_steps:
@@ -120,6 +133,12 @@ def run(a: argparse.Namespace) -> None:
     meta["sft"] = train(sft, a.steps, a.batch, a.lr, a.max_operand, a.held_out, a.seed, a.stop_at)
     summary = _rl(sft, work, a)
     final = Path(str(summary["final_checkpoint"]))
+    if a.tool_steps:
+        # tool use on top of the RL'd adder: traces and replayed additions (glm5_trainer.tool_sft)
+        meta["tools_sft"] = finetune(final, work / "tools", a.tool_steps, held_out=a.held_out, seed=a.seed)
+        final = work / "tools"
+        _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
+        meta["tools_sft"]["evaluation"] = play_offline(final, "tools", held_out)
     a.out.mkdir(parents=True, exist_ok=True)
     for f in final.iterdir():
         if f.is_file() and f.name != "version.json":
@@ -135,3 +154,7 @@ def run(a: argparse.Namespace) -> None:
     (a.out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"held-out accuracy: SFT {summary['accuracy_before']:.1%} -> RL {summary['accuracy_after']:.1%}; the model "
           f"is in {a.out}, the RL run (history, rl.png) in {work / 'rl'}")  # fmt: skip
+    if a.tool_steps:
+        e = meta["tools_sft"]["evaluation"]  # type: ignore[index]
+        print(f"held-out tool problems after tool SFT: accuracy {e['accuracy']:.1%}, tool-call validity "
+              f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}")  # fmt: skip
