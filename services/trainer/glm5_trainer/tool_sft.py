@@ -92,7 +92,7 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
 
     torch.manual_seed(seed)
     tok = Tokenizer(base)
-    overrides = {} if index_topk is None else {"index_topk": index_topk}
+    overrides: dict[str, Any] = {} if index_topk is None else {"index_topk": index_topk}
     model = GlmMoeDsaForCausalLM.from_pretrained(base, dtype=torch.float32, **overrides)
     model.train()
     tools_train, _ = tool_problems(held_out=held_out, seed=seed)
