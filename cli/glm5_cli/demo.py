@@ -135,10 +135,11 @@ def run(a: argparse.Namespace) -> None:
     final = Path(str(summary["final_checkpoint"]))
     if a.tool_steps:
         # tool use on top of the RL'd adder: traces and replayed additions (glm5_trainer.tool_sft)
-        meta["tools_sft"] = finetune(final, work / "tools", a.tool_steps, held_out=a.held_out, seed=a.seed)
+        tools = finetune(final, work / "tools", a.tool_steps, held_out=a.held_out, seed=a.seed)
         final = work / "tools"
         _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
-        meta["tools_sft"]["evaluation"] = play_offline(final, "tools", held_out)
+        tools["evaluation"] = play_offline(final, "tools", held_out)
+        meta["tools_sft"] = tools
     a.out.mkdir(parents=True, exist_ok=True)
     for f in final.iterdir():
         if f.is_file() and f.name != "version.json":
@@ -155,6 +156,6 @@ def run(a: argparse.Namespace) -> None:
     print(f"held-out accuracy: SFT {summary['accuracy_before']:.1%} -> RL {summary['accuracy_after']:.1%}; the model "
           f"is in {a.out}, the RL run (history, rl.png) in {work / 'rl'}")  # fmt: skip
     if a.tool_steps:
-        e = meta["tools_sft"]["evaluation"]  # type: ignore[index]
+        e = tools["evaluation"]
         print(f"held-out tool problems after tool SFT: accuracy {e['accuracy']:.1%}, tool-call validity "
               f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}")  # fmt: skip
