@@ -17,6 +17,7 @@ import random
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from glm5.errors import ConfigError
@@ -48,8 +49,24 @@ def encode(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
     return p_ids + a_ids, [-100] * len(p_ids) + a_ids
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+               items: list[tuple[list[int], list[int]]]) -> float:  # fmt: skip
+    """One optimizer step on (input ids, labels) pairs, right-padded to the longest; returns the loss."""
+    width = max(len(x) for x, _ in items)
+    ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in items])
+    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in items])
+    attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in items])
+    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return float(loss.item())
+
+
 def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_out: int, seed: int,
-          stop_at: int | None = None) -> dict[str, float]:  # fmt: skip
+          stop_at: int | None = None) -> dict[str, Any]:  # fmt: skip
     try:
         from transformers import GlmMoeDsaForCausalLM
     except ImportError as exc:
@@ -67,18 +84,7 @@ def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_o
     rng = random.Random(seed)
     start, losses = time.perf_counter(), []
     for step in range(stop_at or steps):  # stop_at: a mid-schedule checkpoint (not annealed)
-        items = rng.sample(data, batch)
-        width = max(len(x) for x, _ in items)
-        ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in items])
-        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in items])
-        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in items])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, sched, rng.sample(data, batch)))
         if step % 100 == 0 or step == steps - 1:
             recent = sum(losses[-100:]) / len(losses[-100:])
             print(f"step {step:5d}  loss {recent:.4f}  {time.perf_counter() - start:6.0f}s", flush=True)
@@ -86,9 +92,9 @@ def train(out: Path, steps: int, batch: int, lr: float, max_operand: int, held_o
     model.save_pretrained(out, safe_serialization=True)
     # transformers writes its own config.json; keep the tokenizer files init_model wrote next to it.
     final_loss = sum(losses[-100:]) / len(losses[-100:])
-    meta = {"task": "addition", "max_operand": max_operand, "held_out": held_out, "seed": seed, "steps": steps,
-            "stopped_at": stop_at or steps, "final_loss": final_loss,
-            "train_seconds": time.perf_counter() - start}  # fmt: skip
+    meta: dict[str, Any] = {"task": "addition", "max_operand": max_operand, "held_out": held_out, "seed": seed,
+                            "steps": steps, "stopped_at": stop_at or steps, "final_loss": final_loss,
+                            "train_seconds": time.perf_counter() - start}  # fmt: skip
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 

@@ -31,7 +31,7 @@ from glm5.tokenizer.tokenizer import Tokenizer
 
 from glm5_trainer.environment import OBSERVATION, Problem, tool_problems
 from glm5_trainer.sft import encode as addition_example
-from glm5_trainer.sft import split_pairs
+from glm5_trainer.sft import split_pairs, train_step
 
 TOOL_OF = {"*": "multiply", "+": "add"}
 
@@ -63,14 +63,6 @@ def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
                                                 enable_thinking=True))  # fmt: skip
     answer = [*tok.encode(f'<think>{a} + {b} = {a + b}</think>{{"answer": {a + b}}}'), tok.eos_token_ids()[0]]
     return prompt + answer, [-100] * len(prompt) + answer
-
-
-def _batch(items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(x) for x, _ in items)
-    ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in items])
-    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in items])
-    attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in items])
-    return ids, attn, labels
 
 
 def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_batch: int = 48, lr: float = 1e-3,
@@ -113,14 +105,7 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
             kind = "addition"
             items = [json_answer(tok, a, b) for a, b in chosen[:n_json]]
             items += [addition_example(tok, a, b) for a, b in chosen[n_json:]]
-        ids, attn, labels = _batch(items)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses[kind].append(loss.item())
+        losses[kind].append(train_step(model, opt, sched, items))
         if step % 50 == 0 or step == steps - 1:
             recent = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
             print(f"step {step:5d}  loss tools {recent['tools']:.4f}  addition {recent['addition']:.4f}  "
