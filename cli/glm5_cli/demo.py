@@ -26,6 +26,7 @@ from glm5_trainer.environment import (
     builtin_problems,
     environment,
     evaluation_summary,
+    prompt_ids,
     tool_problems,
 )
 from glm5_trainer.sft import train
@@ -80,10 +81,8 @@ def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_ne
         return await done
 
     async def main() -> list[Outcome]:
-        prompts = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-            list(p.messages), tools=list(p.tools) or None, enable_thinking=True)) for p in problems]  # fmt: skip
-        tasks = [asyncio.ensure_future(env.play(p, ids, generate, engine.tokenizer))
-                 for p, ids in zip(problems, prompts, strict=True)]  # fmt: skip
+        tok = engine.tokenizer
+        tasks = [asyncio.ensure_future(env.play(p, prompt_ids(tok, p), generate, tok)) for p in problems]
         while not all(t.done() for t in tasks):
             await asyncio.sleep(0)  # episodes whose turn ended submit their next one
             if not engine.has_work:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from typing import Any
 from glm5.errors import ConfigError
 from glm5.parsing.tools import CALL_CLOSE, ToolCall, ToolCallError, ToolCallParser, ToolRegistry
 from glm5.tokenizer.tokenizer import Tokenizer
+from glm5.v1 import common_pb2
 
 from glm5_trainer.sft import ANSWER, problem, split_pairs
 
@@ -63,6 +64,21 @@ class Outcome:
     calls: int = 0  # valid calls to registered tools
     unknown: int = 0  # calls to tools not in the registry
     malformed: int = 0  # calls whose arguments did not validate, or that were not closed
+
+
+def prompt_ids(tok: Tokenizer, p: Problem) -> list[int]:
+    """The problem as the model sees it: its messages (and tools, if it offers any) through the chat template."""
+    return tok.encode(tok.apply_chat_template(list(p.messages), tools=list(p.tools) or None, enable_thinking=True))
+
+
+async def read_turn(stream: AsyncIterator[Any]) -> tuple[list[int], bool]:
+    """One turn's tokens from a Worker.Generate or TitoGateway.Turn stream, and whether it hit its length limit."""
+    ids: list[int] = []
+    finish = common_pb2.FINISH_REASON_UNSPECIFIED
+    async for r in stream:
+        ids.extend(r.token_ids)
+        finish = r.finish_reason or finish
+    return ids, finish == common_pb2.FINISH_REASON_LENGTH
 
 
 class ExactAnswer:

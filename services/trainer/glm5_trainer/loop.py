@@ -35,9 +35,9 @@ from glm5.rl.samples import oldest_version, select
 from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
-from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2
+from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
-from glm5_trainer.environment import Outcome, Problem, evaluation_summary
+from glm5_trainer.environment import Outcome, Problem, evaluation_summary, read_turn
 from glm5_trainer.loss import TrustRegion
 from glm5_trainer.policy import Policy, StepStats
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
@@ -259,13 +259,8 @@ class RLRun:
                     prompt_token_ids=context,
                     sampling=sampling(temperature=0.0, max_new_tokens=self.c.max_new_tokens),
                 )  # fmt: skip
-                ids: list[int] = []
-                finish = common_pb2.FINISH_REASON_UNSPECIFIED
                 async with slots:
-                    async for r in clients[i % len(clients)].generate(request, timeout=600):
-                        ids.extend(r.token_ids)
-                        finish = r.finish_reason or finish
-                return ids, finish == common_pb2.FINISH_REASON_LENGTH
+                    return await read_turn(clients[i % len(clients)].generate(request, timeout=600))
 
             return await self.env.play(p, self.driver.prompt_ids(p), generate, self.driver.tok)
 

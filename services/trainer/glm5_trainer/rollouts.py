@@ -24,9 +24,9 @@ import grpc
 from glm5.client import sampling
 from glm5.security import channel as secure_channel
 from glm5.tokenizer.tokenizer import Tokenizer
-from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc
+from glm5.v1 import tito_pb2, tito_pb2_grpc
 
-from glm5_trainer.environment import ExactAnswer, Problem, environment, load_problems
+from glm5_trainer.environment import ExactAnswer, Problem, environment, load_problems, prompt_ids, read_turn
 
 if TYPE_CHECKING:
     from glm5_trainer.loop import RLConfig
@@ -52,8 +52,7 @@ class RolloutDriver:
 
     def prompt_ids(self, p: Problem) -> list[int]:
         if p.id not in self._prompts:
-            text = self.tok.apply_chat_template(list(p.messages), tools=list(p.tools) or None, enable_thinking=True)
-            self._prompts[p.id] = self.tok.encode(text)
+            self._prompts[p.id] = prompt_ids(self.tok, p)
         return self._prompts[p.id]
 
     def advance(self, steps_done: int) -> None:
@@ -74,12 +73,7 @@ class RolloutDriver:
                 stream_interval=self.c.max_new_tokens,  # the environment reads whole turns: one message per turn
             )  # fmt: skip
             turns += 1
-            ids: list[int] = []
-            finish = common_pb2.FINISH_REASON_UNSPECIFIED
-            async for r in gateway.Turn(request):
-                ids.extend(r.token_ids)
-                finish = r.finish_reason or finish
-            return ids, finish == common_pb2.FINISH_REASON_LENGTH
+            return await read_turn(gateway.Turn(request))
 
         try:
             outcome = await self.env.play(p, self.prompt_ids(p), turn, self.tok)

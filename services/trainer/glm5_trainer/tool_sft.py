@@ -29,7 +29,7 @@ import torch
 from glm5.errors import ConfigError
 from glm5.tokenizer.tokenizer import Tokenizer
 
-from glm5_trainer.environment import OBSERVATION, Problem, tool_problems
+from glm5_trainer.environment import OBSERVATION, Problem, prompt_ids, tool_problems
 from glm5_trainer.sft import encode as addition_example
 from glm5_trainer.sft import split_pairs, train_step
 
@@ -49,7 +49,7 @@ def tool_turns(p: Problem) -> tuple[str, str, str]:
 
 def trace(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
     """(input ids, labels) of one episode: the loss covers the model's two turns (and its end token) only."""
-    prompt = tok.encode(tok.apply_chat_template(list(p.messages), tools=list(p.tools), enable_thinking=True))
+    prompt = prompt_ids(tok, p)
     call, result, answer = (tok.encode(t) for t in tool_turns(p))
     answer = [*answer, tok.eos_token_ids()[0]]
     ids = prompt + call + result + answer
