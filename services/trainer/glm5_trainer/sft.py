@@ -24,7 +24,8 @@ from glm5.errors import ConfigError
 from glm5.model.presets import init_model
 from glm5.tokenizer.tokenizer import Tokenizer
 
-ANSWER = re.compile(r"The answer is (-?\d+)")
+# Markdown bold around the number is accepted: the tool-use answer writes it so (see tool_sft.tool_turns).
+ANSWER = re.compile(r"The answer is \**(-?\d+)")
 
 
 def problem(a: int, b: int) -> tuple[list[dict[str, str]], str]:

@@ -8,7 +8,16 @@ TITO gateway build it (each turn's text encoded on its own, the tool message spl
     <think>23 * 7: multiply</think><tool_call>multiply<arg_key>a</arg_key><arg_value>23</arg_value>...
         </tool_call><|observation|>                                                     (loss)
     \\n<tool_response>161</tool_response><|assistant|>\\n                               (no loss: the tool's)
-    <think>multiply(23, 7) = 161</think>The answer is 161.<|endoftext|>                (loss)
+    <think></think>The answer is **161**.<|endoftext|>                                  (loss)
+
+The answer copies the tool's result token for token: the byte-level BPE splits a number by what precedes it
+("161" after a special token or "**" is 1|61, " 161" after a space is " 1"|61, "2244" is 22|44 but " 2244" is
+" 2"|24|4), so "The answer is 161." would ask the model to re-split the digits, which it had not learnt after
+1,300 steps (the digits' loss stayed at ~5 nats, uniform over the numbers), while bold keeps the split.
+
+Copying from the tool message is the one new attention pattern a trace teaches, and over a trace's ~550 tokens
+(most of them the tools' JSON) its gradient is weak: `drill_share` of the tool steps are drills, the same turns
+after the question asked without tools (~60 tokens, the loss on the answer only), 48 to a batch.
 
 Steps alternate between batches of traces and batches of additions (one kind per batch: a trace is ~20x longer
 than an addition, and padding one to the other would waste the step). Single-digit sums are over-sampled: they
@@ -43,7 +52,7 @@ def tool_turns(p: Problem) -> tuple[str, str, str]:
     call = (f"<think>{a} {op} {b}: {tool}</think><tool_call>{tool}<arg_key>a</arg_key><arg_value>{a}</arg_value>"
             f"<arg_key>b</arg_key><arg_value>{b}</arg_value></tool_call>{OBSERVATION}")  # fmt: skip
     result = f"\n<tool_response>{p.answer}</tool_response><|assistant|>\n"
-    answer = f"<think>{tool}({a}, {b}) = {p.answer}</think>The answer is {p.answer}."
+    answer = f"<think></think>The answer is **{p.answer}**."
     return call, result, answer
 
 
@@ -57,6 +66,18 @@ def trace(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
+def drill(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
+    """The episode's answer turn in a short context: the same turns after the question asked without tools, the
+    loss on the answer only (the call is not taught where no tools were offered). Copying the tool's result is
+    the one thing a trace teaches that needs a new attention pattern, and its gradient is ~10x stronger over
+    ~60 tokens than over a trace's ~550 (most of them the tools' JSON in the system turn)."""
+    prompt = tok.encode(tok.apply_chat_template(list(p.messages), enable_thinking=True))
+    call, result, answer = (tok.encode(t) for t in tool_turns(p))
+    answer = [*answer, tok.eos_token_ids()[0]]
+    context = prompt + call + result
+    return context + answer, [-100] * len(context) + answer
+
+
 def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
     """An addition answered as {"answer": N} (compact JSON, as the worker's JSON formats emit it)."""
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}],
@@ -67,10 +88,11 @@ def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
 
 def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_batch: int = 48, lr: float = 1e-3,
              tool_share: float = 0.5, small_share: float = 0.25, json_share: float = 0.15, held_out: int = 500,
-             index_topk: int | None = 1024, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+             drill_share: float = 0.0, index_topk: int | None = 1024, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Fine-tunes the checkpoint `base` (the addition model, with its tokenizer) into `out`; returns what
     training.json records. `tool_share`: the share of steps on traces; `small_share`: the share of an addition
-    batch drawn from single-digit sums; `json_share`: the share answered in JSON.
+    batch drawn from single-digit sums; `json_share`: the share answered in JSON; `drill_share`: the share of the
+    tool steps that are answer drills (`drill`).
 
     `index_topk` (None: the base's) replaces the checkpoint's: a trace is ~550 tokens, past the tiny preset's
     top-k of 256, and transformers' indexer runs without gradients (DSA trains it apart, by distillation from
@@ -93,10 +115,13 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    start, losses = time.perf_counter(), {"tools": [0.0], "addition": [0.0]}
+    start, losses = time.perf_counter(), {"tools": [0.0], "drill": [0.0], "addition": [0.0]}
     for step in range(steps):
         if rng.random() < tool_share:
-            kind, items = "tools", [trace(tok, p) for p in rng.sample(tools_train, tool_batch)]
+            if rng.random() < drill_share:
+                kind, items = "drill", [drill(tok, p) for p in rng.sample(tools_train, addition_batch)]
+            else:
+                kind, items = "tools", [trace(tok, p) for p in rng.sample(tools_train, tool_batch)]
         else:
             n_small = round(addition_batch * small_share)
             chosen = rng.sample(small, min(n_small, len(small))) + rng.sample(pairs, addition_batch - n_small)
@@ -108,8 +133,8 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
         losses[kind].append(train_step(model, opt, sched, items))
         if step % 50 == 0 or step == steps - 1:
             recent = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
-            print(f"step {step:5d}  loss tools {recent['tools']:.4f}  addition {recent['addition']:.4f}  "
-                  f"{time.perf_counter() - start:6.0f}s", flush=True)  # fmt: skip
+            shown = "  ".join(f"{k} {v:.4f}" for k, v in recent.items())
+            print(f"step {step:5d}  loss {shown}  {time.perf_counter() - start:6.0f}s", flush=True)
     model.eval()  # type: ignore[no-untyped-call]
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -117,6 +142,6 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
     final = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
     return {"task": "tools", "base": str(base), "steps": steps, "tool_batch": tool_batch,
             "addition_batch": addition_batch, "learning_rate": lr, "tool_share": tool_share,
-            "small_share": small_share, "json_share": json_share, "held_out": held_out,
+            "small_share": small_share, "json_share": json_share, "drill_share": drill_share, "held_out": held_out,
             "index_topk": model.config.index_topk, "seed": seed,
             "final_loss": final, "train_seconds": time.perf_counter() - start}  # fmt: skip

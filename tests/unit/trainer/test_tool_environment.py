@@ -156,3 +156,22 @@ def test_supervised_traces_are_the_episodes_the_environment_plays() -> None:
         assert ids == contexts[1] + turns[1]  # the trace is the second turn's context plus the answer
         trained = [t for t, y in zip(ids, labels, strict=True) if y != -100]
         assert trained == turns[0] + turns[1]  # the loss covers the model's turns, not the prompt or the tool's
+
+
+def test_answer_drills_train_the_copy_only_and_keep_the_number_split_of_the_tool_message() -> None:
+    """A drill is the episode's answer turn after the question asked without tools, the loss on the answer only;
+    the answer's number is tokenised as in the tool message (the copy needs no re-split of its digits)."""
+    from glm5_trainer.tool_sft import drill, tool_turns
+
+    for p in tool_problems()[1][:20]:
+        ids, labels = drill(TOK, p)
+        _, result, answer = tool_turns(p)
+        trained = [t for t, y in zip(ids, labels, strict=True) if y != -100]
+        assert trained == TOK.encode(answer) + TOK.eos_token_ids()[:1] and ids[-len(trained) :] == trained
+        context = TOK.decode(ids[: len(ids) - len(trained)], skip_special_tokens=False)
+        assert "multiply" not in context.split(p.messages[-1]["content"])[0]  # no tools offered before the question
+        number = TOK.encode(p.answer)
+        assert TOK.encode(result)[2 : 2 + len(number)] == number  # "\n", "<tool_response>", the result
+        start = TOK.encode(answer).index(number[0], 4)
+        assert TOK.encode(answer)[start : start + len(number)] == number
+        assert ToolUse().reward(p, answer) == 1.0  # the bold answer is judged right
