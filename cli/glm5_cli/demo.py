@@ -2,9 +2,11 @@
 
 Stages, one command: supervised training (glm5_trainer.sft) for `--stop-at` steps of a `--steps`-step
 schedule, then `--rl-steps` steps of the asynchronous RL loop (`glm5 rl`: rollout workers, TITO gateway,
-trainer) from that checkpoint, then (`--tool-steps`) supervised tool use (glm5_trainer.tool_sft) on top; the
-last stage's model goes to `--out`, with `training.json` (every stage, accuracy before and after RL, the tool
-evaluation) and the RL run's `rl.png` in the work folder.
+trainer) from that checkpoint, then (`--tool-steps`) supervised tool use (glm5_trainer.tool_sft) on top, then
+(`--tool-rl-steps`) `glm5 rl --env tools` from that; the last stage's model goes to `--out`, with
+`training.json` (every stage, accuracy before and after each RL run, the tool evaluations) and the RL runs'
+`rl.png` in the work folder. `--from CHECKPOINT` starts the tool stages from an existing model (the shipped
+one: its own training.json records the addition stages and is carried over).
 """
 
 from __future__ import annotations
@@ -49,8 +51,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-steps", type=int, default=200, help="RL steps after supervised training (0: none)")
     p.add_argument("--rl-lr", type=float, default=1e-4)
     p.add_argument("--rl-seed", type=int, default=0, help="RL problem order and sampling (the split is --seed's)")
+    p.add_argument("--from", dest="base", type=Path,
+                   help="start the tool stages from this checkpoint (e.g. the shipped model) instead of training "
+                        "the addition stages")  # fmt: skip
     p.add_argument("--tool-steps", type=int, default=0,
                    help="after RL: supervised tool-use steps (tool traces, replayed additions; 0: none)")  # fmt: skip
+    p.add_argument(
+        "--tool-sft-args",
+        type=json.loads,
+        default={},
+        help="JSON object of glm5_trainer.tool_sft.finetune arguments (e.g. '{\"drill_share\": 0.7}')",
+    )
+    p.add_argument("--tool-rl-steps", type=int, default=0, help="after tool SFT: `glm5 rl --env tools` steps")
+    p.add_argument("--tool-rl-lr", type=float, default=1e-4)
     p.add_argument("--work", type=Path, help="stage folders (default: OUT.work)")
     p.add_argument("--eval-only", action="store_true", help="only measure an existing checkpoint")
 
@@ -98,63 +111,102 @@ def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_ne
     return evaluation_summary(asyncio.run(main()))
 
 
-def _rl(sft: Path, work: Path, a: argparse.Namespace) -> dict[str, object]:
-    out = work / "rl"
-    cmd = [sys.executable, "-m", "glm5_cli", "rl", "--model", str(sft), "--workers", "2", "--out", str(out),
-           "--steps", str(a.rl_steps), "--learning-rate", str(a.rl_lr), "--seed", str(a.rl_seed),
-           f"--trainer-arg=--split-seed={a.seed}",
-           "--worker-arg=--kv-cache-bytes=64MiB", "--worker-arg=--max-model-len=256",
+def _rl(model: Path, out: Path, steps: int, lr: float, a: argparse.Namespace, env: str = "addition") -> dict[str, Any]:
+    # tool episodes: a ~480-token prompt (the tools' JSON) and two turns of up to 48 tokens; smaller steps, as
+    # each one trains ~20x the tokens of an addition step
+    shape = (["--worker-arg=--max-model-len=256"] if env == "addition" else
+             ["--worker-arg=--max-model-len=1024", "--trainer-arg=--max-new-tokens=48",
+              "--trainer-arg=--groups-per-step=4", "--trainer-arg=--max-inflight-groups=8"])  # fmt: skip
+    cmd = [sys.executable, "-m", "glm5_cli", "rl", "--model", str(model), "--workers", "2", "--out", str(out),
+           "--env", env, "--steps", str(steps), "--learning-rate", str(lr), "--seed", str(a.rl_seed),
+           f"--trainer-arg=--split-seed={a.seed}", "--worker-arg=--kv-cache-bytes=64MiB", *shape,
            f"--trainer-arg=--eval-size={a.held_out}", "--trainer-arg=--eval-every=50",
            "--trainer-arg=--lr-schedule=cosine"]  # fmt: skip
     if subprocess.run(cmd).returncode:
-        raise ConfigError("the RL stage failed (its log is above)")
-    summary: dict[str, object] = json.loads((out / "summary.json").read_text())
+        raise ConfigError(f"the RL stage ({env}) failed (its log is above)")
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     return summary
+
+
+def _check(a: argparse.Namespace) -> None:
+    if min(a.rl_steps, a.tool_steps, a.tool_rl_steps) < 0 or (a.stop_at is not None and not 0 < a.stop_at <= a.steps):
+        raise ConfigError("--rl-steps, --tool-steps, --tool-rl-steps >= 0 and 0 < --stop-at <= --steps")
+    if a.tool_steps and not (a.rl_steps or a.base):
+        raise ConfigError("--tool-steps trains on top of the RL stage (or --from a checkpoint): give --rl-steps")
+    if a.base and not a.tool_steps:
+        raise ConfigError("--from starts the tool stages from a checkpoint: give --tool-steps")
+    if a.base and not (a.base / "config.json").is_file():
+        raise ConfigError(f"--from {a.base}: not a checkpoint folder (no config.json)")
+    if a.tool_rl_steps and not a.tool_steps:
+        raise ConfigError("--tool-rl-steps trains on top of the tool SFT stage: give --tool-steps too")
+    if not isinstance(a.tool_sft_args, dict):
+        raise ConfigError("--tool-sft-args must be a JSON object of glm5_trainer.tool_sft.finetune arguments")
+    if (a.rl_steps or a.tool_steps) and (a.max_operand != 99 or a.held_out > 500):
+        raise ConfigError("the RL stages train on the built-in split: --max-operand 99 and --held-out <= 500")
+
+
+def _addition_stages(a: argparse.Namespace, work: Path, meta: dict[str, Any]) -> Path:
+    """Supervised addition, then `glm5 rl` on it; returns the RL run's final checkpoint."""
+    meta.update({"task": "addition", "max_operand": a.max_operand, "held_out": a.held_out, "seed": a.seed})
+    meta["sft"] = train(work / "sft", a.steps, a.batch, a.lr, a.max_operand, a.held_out, a.seed, a.stop_at)
+    summary = _rl(work / "sft", work / "rl", a.rl_steps, a.rl_lr, a)
+    kept = ("accuracy_before", "accuracy_after", "train_seconds", "final_version")
+    meta["rl"] = {"steps": a.rl_steps, "learning_rate": a.rl_lr, "lr_schedule": "cosine", "seed": a.rl_seed,
+                  **{k: summary[k] for k in kept}}  # fmt: skip
+    print(f"held-out accuracy: SFT {summary['accuracy_before']:.1%} -> RL {summary['accuracy_after']:.1%}; the RL "
+          f"run (history, rl.png) in {work / 'rl'}")  # fmt: skip
+    return Path(str(summary["final_checkpoint"]))
+
+
+def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, Any]) -> Path:
+    """Supervised tool use on top of `base` (traces, drills, replayed additions: glm5_trainer.tool_sft), then
+    `glm5 rl --env tools` from it; returns the last stage's checkpoint."""
+    try:
+        tools = finetune(base, work / "tools", a.tool_steps, held_out=a.held_out, seed=a.seed, **a.tool_sft_args)
+    except TypeError as exc:
+        raise ConfigError(f"--tool-sft-args: {exc}") from exc
+    final = work / "tools"
+    _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
+    e = tools["evaluation"] = play_offline(final, "tools", held_out)
+    meta["tools_sft"] = tools
+    print(f"held-out tool problems after tool SFT: accuracy {e['accuracy']:.1%}, tool-call validity "
+          f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}", flush=True)  # fmt: skip
+    if not a.tool_rl_steps:
+        return final
+    tool_rl = _rl(final, work / "rl-tools", a.tool_rl_steps, a.tool_rl_lr, a, env="tools")
+    kept = ("evaluation_before", "evaluation_after", "train_seconds", "final_version")
+    meta["tools_rl"] = {"steps": a.tool_rl_steps, "learning_rate": a.tool_rl_lr, "lr_schedule": "cosine",
+                        "seed": a.rl_seed, **{k: tool_rl[k] for k in kept}}  # fmt: skip
+    if e := tool_rl["evaluation_after"]:
+        print(f"held-out tool problems after tool RL: accuracy {e['accuracy']:.1%}, tool-call validity "
+              f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}")  # fmt: skip
+    return Path(str(tool_rl["final_checkpoint"]))
 
 
 def run(a: argparse.Namespace) -> None:
     if a.eval_only:
         print(f"held-out accuracy: {evaluate(a.out, a.max_operand, a.held_out, a.seed):.1%}")
         return
-    if a.rl_steps < 0 or a.tool_steps < 0 or (a.stop_at is not None and not 0 < a.stop_at <= a.steps):
-        raise ConfigError("--rl-steps >= 0, --tool-steps >= 0 and 0 < --stop-at <= --steps")
-    if a.tool_steps and not a.rl_steps:
-        raise ConfigError("--tool-steps trains on top of the RL stage: give --rl-steps too")
-    if a.rl_steps and (a.max_operand != 99 or a.held_out > 500):
-        raise ConfigError("the RL stage trains on the built-in split: --max-operand 99 and --held-out <= 500")
-    if not a.rl_steps:
+    _check(a)
+    if not (a.rl_steps or a.base):
         print(json.dumps(train(a.out, a.steps, a.batch, a.lr, a.max_operand, a.held_out, a.seed, a.stop_at)))
         print(f"held-out accuracy: {evaluate(a.out, a.max_operand, a.held_out, a.seed):.1%}")
         return
     work = a.work or a.out.with_name(a.out.name + ".work")
-    sft = work / "sft"
-    meta: dict[str, object] = {"task": "addition", "max_operand": a.max_operand, "held_out": a.held_out, "seed": a.seed}
-    meta["sft"] = train(sft, a.steps, a.batch, a.lr, a.max_operand, a.held_out, a.seed, a.stop_at)
-    summary = _rl(sft, work, a)
-    final = Path(str(summary["final_checkpoint"]))
+    meta: dict[str, Any] = {}
+    if a.base:
+        # the addition stages are the base's own (its training.json, kept); the tool stages start from it
+        record = a.base / "training.json"
+        meta.update(json.loads(record.read_text()) if record.is_file() else {})
+        meta["tools_from"] = str(a.base)
+        final = a.base
+    else:
+        final = _addition_stages(a, work, meta)
     if a.tool_steps:
-        # tool use on top of the RL'd adder: traces and replayed additions (glm5_trainer.tool_sft)
-        tools = finetune(final, work / "tools", a.tool_steps, held_out=a.held_out, seed=a.seed)
-        final = work / "tools"
-        _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
-        tools["evaluation"] = play_offline(final, "tools", held_out)
-        meta["tools_sft"] = tools
+        final = _tool_stages(a, final, work, meta)
     a.out.mkdir(parents=True, exist_ok=True)
     for f in final.iterdir():
-        if f.is_file() and f.name != "version.json":
+        if f.is_file() and f.name not in ("version.json", "training.json"):
             shutil.copyfile(f, a.out / f.name)  # not the 0600 mode transformers writes
-    kept = ("accuracy_before", "accuracy_after", "train_seconds", "final_version")
-    meta["rl"] = {
-        "steps": a.rl_steps,
-        "learning_rate": a.rl_lr,
-        "lr_schedule": "cosine",
-        "seed": a.rl_seed,
-        **{k: summary[k] for k in kept},
-    }
     (a.out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"held-out accuracy: SFT {summary['accuracy_before']:.1%} -> RL {summary['accuracy_after']:.1%}; the model "
-          f"is in {a.out}, the RL run (history, rl.png) in {work / 'rl'}")  # fmt: skip
-    if a.tool_steps:
-        e = tools["evaluation"]
-        print(f"held-out tool problems after tool SFT: accuracy {e['accuracy']:.1%}, tool-call validity "
-              f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}")  # fmt: skip
+    print(f"the model is in {a.out}, its stages in {work}")

@@ -21,11 +21,12 @@ def test_shipped_model_is_the_default_and_solves_held_out_additions() -> None:
 
 
 def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
-    """`glm5 demo-model` with tiny budgets: supervised stage, RL stage through `glm5 rl`, tool-use stage, final
-    model copied."""
+    """`glm5 demo-model` with tiny budgets: supervised stage, RL stage through `glm5 rl`, tool-use stage (with its
+    drills), tool RL stage through `glm5 rl --env tools`, final model copied."""
     out = tmp_path / "model"
     cmd = [sys.executable, "-m", "glm5_cli", "demo-model", "--out", str(out), "--steps", "30", "--stop-at", "20",
-           "--batch", "8", "--rl-steps", "2", "--held-out", "16", "--tool-steps", "2"]  # fmt: skip
+           "--batch", "8", "--rl-steps", "2", "--held-out", "16", "--tool-steps", "2",
+           "--tool-sft-args", '{"drill_share": 0.5}', "--tool-rl-steps", "1"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((out / "training.json").read_text())
@@ -37,4 +38,8 @@ def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
     assert (tmp_path / "model.work" / "rl" / "rl.png").is_file()
     tools = meta["tools_sft"]
     assert tools["steps"] == 2 and tools["evaluation"]["problems"] == 16 and tools["index_topk"] == 1024
-    assert json.loads((out / "config.json").read_text())["index_topk"] == 1024  # the tool stage's model was copied
+    assert tools["drill_share"] == 0.5
+    tool_rl = meta["tools_rl"]
+    assert tool_rl["steps"] == 1 and tool_rl["final_version"] == 1
+    assert tool_rl["evaluation_after"]["problems"] == 16 and (tmp_path / "model.work" / "rl-tools" / "rl.png").is_file()
+    assert json.loads((out / "config.json").read_text())["index_topk"] == 1024  # the tool stages' model was copied
