@@ -100,14 +100,16 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
     pick which half of the context each token sees. 1,024 keeps the demo's contexts dense (measured: tool loss
     1.09 vs 1.49 at step 200, same seed)."""
     try:
-        from transformers import GlmMoeDsaForCausalLM
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     except ImportError as exc:
         raise ConfigError("training needs the trainer extra: pip install -e '.[trainer]'") from exc
 
     torch.manual_seed(seed)
     tok = Tokenizer(base)
-    overrides: dict[str, Any] = {} if index_topk is None else {"index_topk": index_topk}
-    model = GlmMoeDsaForCausalLM.from_pretrained(base, dtype=torch.float32, **overrides)
+    config = GlmMoeDsaConfig.from_pretrained(base)
+    if index_topk is not None:  # on the config object: a keyword would land in generation_config.json too
+        config.index_topk = index_topk
+    model = GlmMoeDsaForCausalLM.from_pretrained(base, config=config, dtype=torch.float32)
     model.train()
     tools_train, _ = tool_problems(held_out=held_out, seed=seed)
     pairs, _ = split_pairs(99, held_out, seed)
