@@ -158,6 +158,11 @@ def _addition_stages(a: argparse.Namespace, work: Path, meta: dict[str, Any]) ->
     return Path(str(summary["final_checkpoint"]))
 
 
+def _report(stage: str, e: dict[str, Any]) -> None:
+    print(f"held-out tool problems after {stage}: accuracy {e['accuracy']:.1%}, tool-call validity "
+          f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}", flush=True)  # fmt: skip
+
+
 def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, Any]) -> Path:
     """Supervised tool use on top of `base` (traces, drills, replayed additions: glm5_trainer.tool_sft), then
     `glm5 rl --env tools` from it; returns the last stage's checkpoint."""
@@ -169,8 +174,7 @@ def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, 
     _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
     e = tools["evaluation"] = play_offline(final, "tools", held_out)
     meta["tools_sft"] = tools
-    print(f"held-out tool problems after tool SFT: accuracy {e['accuracy']:.1%}, tool-call validity "
-          f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}", flush=True)  # fmt: skip
+    _report("tool SFT", e)
     if not a.tool_rl_steps:
         return final
     tool_rl = _rl(final, work / "rl-tools", a.tool_rl_steps, a.tool_rl_lr, a, env="tools")
@@ -178,8 +182,7 @@ def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, 
     meta["tools_rl"] = {"steps": a.tool_rl_steps, "learning_rate": a.tool_rl_lr, "lr_schedule": "cosine",
                         "seed": a.rl_seed, **{k: tool_rl[k] for k in kept}}  # fmt: skip
     if e := tool_rl["evaluation_after"]:
-        print(f"held-out tool problems after tool RL: accuracy {e['accuracy']:.1%}, tool-call validity "
-              f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}")  # fmt: skip
+        _report("tool RL", e)
     return Path(str(tool_rl["final_checkpoint"]))
 
 

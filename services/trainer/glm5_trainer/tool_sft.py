@@ -56,26 +56,24 @@ def tool_turns(p: Problem) -> tuple[str, str, str]:
     return call, result, answer
 
 
-def trace(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
-    """(input ids, labels) of one episode: the loss covers the model's two turns (and its end token) only."""
-    prompt = prompt_ids(tok, p)
+def _episode(tok: Tokenizer, p: Problem, prompt: list[int], call_loss: bool) -> tuple[list[int], list[int]]:
     call, result, answer = (tok.encode(t) for t in tool_turns(p))
     answer = [*answer, tok.eos_token_ids()[0]]
     ids = prompt + call + result + answer
-    labels = [-100] * len(prompt) + call + [-100] * len(result) + answer
+    labels = [-100] * len(prompt) + (call if call_loss else [-100] * len(call)) + [-100] * len(result) + answer
     return ids, labels
 
 
+def trace(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of one episode: the loss covers the model's two turns (and its end token) only."""
+    return _episode(tok, p, prompt_ids(tok, p), call_loss=True)
+
+
 def drill(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
-    """The episode's answer turn in a short context: the same turns after the question asked without tools, the
-    loss on the answer only (the call is not taught where no tools were offered). Copying the tool's result is
-    the one thing a trace teaches that needs a new attention pattern, and its gradient is ~10x stronger over
-    ~60 tokens than over a trace's ~550 (most of them the tools' JSON in the system turn)."""
+    """The episode's turns after the question asked without tools (the module docstring says why), the loss on
+    the answer only: the call is not taught where no tools were offered."""
     prompt = tok.encode(tok.apply_chat_template(list(p.messages), enable_thinking=True))
-    call, result, answer = (tok.encode(t) for t in tool_turns(p))
-    answer = [*answer, tok.eos_token_ids()[0]]
-    context = prompt + call + result
-    return context + answer, [-100] * len(context) + answer
+    return _episode(tok, p, prompt, call_loss=False)
 
 
 def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
