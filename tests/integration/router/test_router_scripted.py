@@ -295,6 +295,7 @@ def test_sustained_signals_eject_a_worker_the_pool_can_spare_and_never_the_last(
         time.sleep(2.0)  # well past the sustained time: b is degraded, but it is the last routable worker
         health, ws = states()
         assert ws[b]["breaker"] == "closed" and "kept in rotation" in ws[b]["reason"], ws
+        assert ws[b]["degraded"] == {"attention_entropy_drift": pytest.approx(0.9)}, ws  # why: less traffic
         assert health["status"] == "ok"
         c = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=60)
         assert c.completions.create(model="glm5-scripted", prompt="q", max_tokens=2).choices[0].text

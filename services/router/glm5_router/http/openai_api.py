@@ -166,7 +166,7 @@ class OpenAIServer:
         workers = [
             {"address": w.address, "healthy": w.healthy, "breaker": w.breaker.current().value,
              "reason": w.breaker.reason, "in_flight": w.in_flight, "kv_usage": w.kv_usage,
-             "excluded": w.excluded or None}
+             "degraded": w.breaker.degraded, "excluded": w.excluded or None}
             for w in pool.workers.values()
         ]  # fmt: skip
         body = {"status": "ok" if routable else "unavailable", "workers": workers,

@@ -2,7 +2,10 @@
 
 The engine measures the mean entropy (nats) of each layer's sparse attention every few steps. Two
 exponential averages per layer give the drift signal the router's breaker watches:
-drift = |short - long| / long: the recent entropy against the worker's own running baseline. It fades
+drift = |short - long| / long: the recent entropy against the worker's own running baseline. The baseline
+counts only once it has averaged BASELINE_MEASUREMENTS measurements (the long average's own span, a plain
+mean until then): before that it is a request or two, so a new worker whose first prompts differ from its next
+ones (a chat turn, then a bare "1 + 1") would read as drifting and lose half its traffic to the breaker. It fades
 (half-life DRIFT_HALF_LIFE_S) while no new measurement comes: an idle worker has no drift, so a spike from its
 last requests cannot keep its router's breaker degraded after the traffic has gone.
 
@@ -19,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 DRIFT_HALF_LIFE_S = 5.0
+SHORT_ALPHA = 0.3  # the recent entropy: a span of a few measurements
+LONG_ALPHA = 0.02  # the baseline: a span of ~50
+BASELINE_MEASUREMENTS = round(1 / LONG_ALPHA)
 
 
 @dataclass(slots=True)
@@ -26,21 +32,19 @@ class LayerState:
     topk: int
     entropy_short: float | None = None
     entropy_long: float | None = None
+    measurements: int = 0
     below: int = 0
     above: int = 0
     widened: bool = False
 
     @property
     def drift(self) -> float:
-        if self.entropy_short is None or not self.entropy_long:
+        if self.measurements < BASELINE_MEASUREMENTS or self.entropy_short is None or not self.entropy_long:
             return 0.0
         return abs(self.entropy_short - self.entropy_long) / abs(self.entropy_long)
 
 
 class SparsityController:
-    SHORT_ALPHA = 0.3
-    LONG_ALPHA = 0.02
-
     def __init__(
         self,
         num_layers: int,
@@ -71,12 +75,13 @@ class SparsityController:
             if not math.isfinite(value):
                 continue
             s = self.layers[layer]
-            s.entropy_short = (
-                value if s.entropy_short is None else s.entropy_short + self.SHORT_ALPHA * (value - s.entropy_short)
-            )
-            s.entropy_long = (
-                value if s.entropy_long is None else s.entropy_long + self.LONG_ALPHA * (value - s.entropy_long)
-            )
+            s.measurements += 1
+            # the plain mean of what came so far until an average's span is full (a start that is one request's
+            # value would weigh in for hundreds of measurements), exponential after
+            first = 1 / s.measurements
+            short, long = s.entropy_short or 0.0, s.entropy_long or 0.0
+            s.entropy_short = short + max(SHORT_ALPHA, first) * (value - short)
+            s.entropy_long = long + max(LONG_ALPHA, first) * (value - long)
             if self.enabled and layer in self.full_layers:
                 self._control(s, value)
 
