@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import secrets
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from glm5.errors import CheckpointError, InvalidRequestError
 
 BOUNDED_PIECE_CHARS = 32 << 10
+# message roles whose content is data, not markup: a special token's text in it is encoded as plain text
+LITERAL_ROLES = frozenset({"system", "user", "tool"})
 
 
 class Tokenizer:
@@ -87,6 +91,71 @@ class Tokenizer:
         if len(ids) > max_tokens:
             raise InvalidRequestError(field, f"{len(ids)} tokens, more than {max_tokens} (the limit here)")
         return list(ids)
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        max_tokens: int,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> tuple[list[int], str]:
+        """The chat template applied and encoded (bounded as `encode_bounded`), with special tokens only where the
+        template writes them: the text of a special token inside a system, user or tool message's content (a
+        pasted document, a tool's output) is encoded as plain text, so no message can forge a turn
+        (`<|assistant|>`), a tool call or the end of the thinking. Returns (ids, the rendered text).
+
+        The content's special-token strings go through the template as placeholders carrying a per-call nonce
+        (unguessable, so a message cannot write one) and are encoded on their own with special-token parsing
+        off; an assistant message's content keeps its markup (it is the model's own output sent back, and the
+        template splits its `</think>`)."""
+        if not self.special_tokens:
+            text = self.apply_chat_template(messages, tools=tools, **kwargs)
+            return self.encode_bounded(text, max_tokens, field="messages"), text
+        nonce = secrets.token_hex(8)
+        literals: list[str] = []
+
+        def hide(match: re.Match[str]) -> str:
+            literals.append(match.group(0))
+            return f"\ue000{nonce}:{len(literals) - 1}\ue001"
+
+        shielded = [
+            dict(m, content=self._special_re.sub(hide, m["content"]))
+            if m.get("role") in LITERAL_ROLES and isinstance(m.get("content"), str) else m
+            for m in messages
+        ]  # fmt: skip
+        text = self.apply_chat_template(shielded, tools=tools, **kwargs)
+        if not literals:
+            return self.encode_bounded(text, max_tokens, field="messages"), text
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)  # text, index, text, index, ..., text
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                literal = literals[int(part)]
+                ids += self.encode_literal(literal)
+                parts[i] = literal
+            elif part:
+                ids += self.encode_bounded(part, max_tokens, field="messages")
+            if len(ids) > max_tokens:
+                raise InvalidRequestError("messages", f"more than {max_tokens} tokens (the limit here)")
+        return ids, "".join(parts)
+
+    @cached_property
+    def _special_re(self) -> re.Pattern[str]:
+        # longest first: a token whose text starts another's must not win over it
+        return re.compile("|".join(re.escape(t) for t in sorted(self.special_tokens, key=len, reverse=True)))
+
+    def encode_literal(self, text: str) -> list[int]:
+        """`text` as plain text: a special token's string in it is encoded as the characters it is made of (for
+        data that must not become markup: a tool's output)."""
+        return list(self._literal_tok.encode(text, add_special_tokens=False).ids)
+
+    @cached_property
+    def _literal_tok(self) -> HFTokenizer:
+        """The same tokenizer with special-token parsing off (a copy: the flag is per tokenizer, and encode runs
+        on several threads)."""
+        tok = HFTokenizer.from_str(self._json_bytes.decode())
+        tok.encode_special_tokens = True
+        return tok
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))

@@ -193,11 +193,10 @@ class Frontend:
             messages = self._messages(inp.messages, inp.session_id)
             last_user = next((str(m.get("content") or "") for m in reversed(messages) if m["role"] == "user"), "")
             thinking = self.resolve_thinking(inp.thinking, last_user)
-            text = tok.apply_chat_template(
-                messages, tools=inp.tools or None, enable_thinking=thinking != "off",
+            ids, text = tok.encode_chat(
+                messages, self._token_limit(), tools=inp.tools or None, enable_thinking=thinking != "off",
                 thinking_budget=self.config.light_thinking_budget if thinking == "light" else None,
             )  # fmt: skip
-            ids = tok.encode_bounded(text, self._token_limit())
         elif inp.prompt_token_ids:
             bad = next((t for t in inp.prompt_token_ids if not 0 <= t < tok.vocab_size), None)
             if bad is not None:

@@ -43,6 +43,7 @@ from glm5_trainer.sft import ANSWER, problem, split_pairs
 Generate = Callable[[list[int]], Awaitable[tuple[list[int], bool]]]
 THINK_CLOSE = "</think>"
 OBSERVATION = "<|observation|>"
+PROMPT_TOKEN_LIMIT = 1 << 20  # only bounds memory: an engine refuses a prompt longer than its context
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,7 @@ class Outcome:
 
 def prompt_ids(tok: Tokenizer, p: Problem) -> list[int]:
     """The problem as the model sees it: its messages (and tools, if it offers any) through the chat template."""
-    return tok.encode(tok.apply_chat_template(list(p.messages), tools=list(p.tools) or None, enable_thinking=True))
+    return tok.encode_chat(list(p.messages), PROMPT_TOKEN_LIMIT, tools=list(p.tools) or None, enable_thinking=True)[0]
 
 
 async def read_turn(stream: AsyncIterator[Any]) -> tuple[list[int], bool]:
@@ -172,10 +173,14 @@ class ToolUse(ExactAnswer):
             # The results are appended to the recorded tokens as the chat template writes tool messages (the
             # model's own <|observation|>, if it wrote one, opens the first): what was generated is never
             # re-tokenised, so the context extends the gateway's ledger exactly.
+            # A result is data (an error message quotes the model's own text): encoded as plain text, so nothing
+            # in it becomes a turn or a call, as the router encodes a tool message.
             responses = [self.run_call(r) if isinstance(r, ToolCall) else f"error: {r.error}" for r in results]
-            text = "".join(("" if i == 0 and observed else OBSERVATION) + f"\n<tool_response>{c}</tool_response>"
-                           for i, c in enumerate(responses)) + "<|assistant|>\n"  # fmt: skip
-            context += ids + tok.encode(text)
+            context += ids
+            for i, c in enumerate(responses):
+                context += tok.encode(("" if i == 0 and observed else OBSERVATION) + "\n<tool_response>")
+                context += tok.encode_literal(c) + tok.encode("</tool_response>")
+            context += tok.encode("<|assistant|>\n")
         good = out.calls > 0 and not out.unknown and not out.malformed
         out.reward = (float(out.correct) + (self.call_bonus if good else 0.0) - self.unknown_penalty * out.unknown
                       - self.malformed_penalty * out.malformed)  # fmt: skip
