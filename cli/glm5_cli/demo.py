@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default={},
         help="JSON object of glm5_trainer.tool_sft.finetune arguments (e.g. '{\"drill_share\": 0.7}')",
     )
-    p.add_argument("--tool-rl-steps", type=int, default=0, help="after tool SFT: `glm5 rl --env tools` steps")
+    p.add_argument("--tool-rl-steps", type=int, default=0,
+                   help="after tool SFT (or on the --from checkpoint): `glm5 rl --env tools` steps")  # fmt: skip
     p.add_argument("--tool-rl-lr", type=float, default=1e-4)
     p.add_argument("--work", type=Path, help="stage folders (default: OUT.work)")
     p.add_argument("--eval-only", action="store_true", help="only measure an existing checkpoint")
@@ -133,12 +134,12 @@ def _check(a: argparse.Namespace) -> None:
         raise ConfigError("--rl-steps, --tool-steps, --tool-rl-steps >= 0 and 0 < --stop-at <= --steps")
     if a.tool_steps and not (a.rl_steps or a.base):
         raise ConfigError("--tool-steps trains on top of the RL stage (or --from a checkpoint): give --rl-steps")
-    if a.base and not a.tool_steps:
-        raise ConfigError("--from starts the tool stages from a checkpoint: give --tool-steps")
+    if a.base and not (a.tool_steps or a.tool_rl_steps):
+        raise ConfigError("--from starts the tool stages from a checkpoint: give --tool-steps or --tool-rl-steps")
     if a.base and not (a.base / "config.json").is_file():
         raise ConfigError(f"--from {a.base}: not a checkpoint folder (no config.json)")
-    if a.tool_rl_steps and not a.tool_steps:
-        raise ConfigError("--tool-rl-steps trains on top of the tool SFT stage: give --tool-steps too")
+    if a.tool_rl_steps and not (a.tool_steps or a.base):
+        raise ConfigError("--tool-rl-steps trains on top of the tool SFT stage: give --tool-steps (or --from)")
     if not isinstance(a.tool_sft_args, dict):
         raise ConfigError("--tool-sft-args must be a JSON object of glm5_trainer.tool_sft.finetune arguments")
     if (a.rl_steps or a.tool_steps) and (a.max_operand != 99 or a.held_out > 500):
@@ -165,21 +166,25 @@ def _report(stage: str, e: dict[str, Any]) -> None:
 
 def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, Any]) -> Path:
     """Supervised tool use on top of `base` (traces, drills, replayed additions: glm5_trainer.tool_sft), then
-    `glm5 rl --env tools` from it; returns the last stage's checkpoint."""
-    try:
-        tools = finetune(base, work / "tools", a.tool_steps, held_out=a.held_out, seed=a.seed, **a.tool_sft_args)
-    except TypeError as exc:
-        raise ConfigError(f"--tool-sft-args: {exc}") from exc
-    final = work / "tools"
-    _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
-    e = tools["evaluation"] = play_offline(final, "tools", held_out)
-    meta["tools_sft"] = tools
-    _report("tool SFT", e)
+    `glm5 rl --env tools` from it (either stage may be skipped); returns the last stage's checkpoint. A second
+    RL stage on a checkpoint that had one (`--from`) is recorded beside it, as tools_rl_2 and so on."""
+    final = base
+    if a.tool_steps:
+        try:
+            tools = finetune(base, work / "tools", a.tool_steps, held_out=a.held_out, seed=a.seed, **a.tool_sft_args)
+        except TypeError as exc:
+            raise ConfigError(f"--tool-sft-args: {exc}") from exc
+        final = work / "tools"
+        _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
+        e = tools["evaluation"] = play_offline(final, "tools", held_out)
+        meta["tools_sft"] = tools
+        _report("tool SFT", e)
     if not a.tool_rl_steps:
         return final
     tool_rl = _rl(final, work / "rl-tools", a.tool_rl_steps, a.tool_rl_lr, a, env="tools")
     kept = ("evaluation_before", "evaluation_after", "train_seconds", "final_version")
-    meta["tools_rl"] = {"steps": a.tool_rl_steps, "learning_rate": a.tool_rl_lr, "lr_schedule": "cosine",
+    key = next(k for n in itertools.count(1) if (k := "tools_rl" + (f"_{n}" if n > 1 else "")) not in meta)
+    meta[key] = {"steps": a.tool_rl_steps, "learning_rate": a.tool_rl_lr, "lr_schedule": "cosine",
                         "seed": a.rl_seed, **{k: tool_rl[k] for k in kept}}  # fmt: skip
     if e := tool_rl["evaluation_after"]:
         _report("tool RL", e)
@@ -201,11 +206,11 @@ def run(a: argparse.Namespace) -> None:
         # the addition stages are the base's own (its training.json, kept); the tool stages start from it
         record = a.base / "training.json"
         meta.update(json.loads(record.read_text()) if record.is_file() else {})
-        meta["tools_from"] = str(a.base)
+        meta.setdefault("tools_from", str(a.base))  # where the first tool stage started
         final = a.base
     else:
         final = _addition_stages(a, work, meta)
-    if a.tool_steps:
+    if a.tool_steps or (a.tool_rl_steps and a.base):
         final = _tool_stages(a, final, work, meta)
     a.out.mkdir(parents=True, exist_ok=True)
     for f in final.iterdir():

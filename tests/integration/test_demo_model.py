@@ -43,3 +43,13 @@ def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
     assert tool_rl["steps"] == 1 and tool_rl["final_version"] == 1
     assert tool_rl["evaluation_after"]["problems"] == 16 and (tmp_path / "model.work" / "rl-tools" / "rl.png").is_file()
     assert json.loads((out / "config.json").read_text())["index_topk"] == 1024  # the tool stages' model was copied
+
+    # more tool RL on the result (`--from` with RL only): recorded beside the first, the earlier stages kept
+    again = tmp_path / "again"
+    cmd = [sys.executable, "-m", "glm5_cli", "demo-model", "--from", str(out), "--out", str(again), "--held-out", "16",
+           "--tool-rl-steps", "1", "--rl-seed", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    more = json.loads((again / "training.json").read_text())
+    assert more["tools_rl"] == tool_rl and more["sft"] == meta["sft"] and more["tools_from"] == str(out)
+    assert more["tools_rl_2"]["steps"] == 1 and more["tools_rl_2"]["seed"] == 1
