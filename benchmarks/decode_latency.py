@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.model.presets import init_model
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
@@ -57,11 +58,19 @@ def context_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(16, vocab - 64) for _ in range(n)]  # clear of the special tokens at both ends
 
 
-def new_engine(model: Path, eager: bool = False) -> Engine:
-    """The engine as `glm5 worker` runs it: decode steps compiled at start-up unless `eager`."""
+def new_engine(model: Path, eager: bool = False, fused: bool = True) -> Engine:
+    """The engine as `glm5 worker` runs it: decode steps compiled at start-up unless `eager`; `fused=False`: the
+    attention's input projections left as separate products (the baseline of --unfused)."""
     config = EngineConfig(model=str(model), max_model_len=4096, kv_cache_bytes=256 << 20, kv_int8_tier=False,
                           enforce_eager=eager)  # fmt: skip
-    return Engine(config)
+    if fused:
+        return Engine(config)
+    fuse = GlmMoeDsaForCausalLM.fuse_input_projections
+    GlmMoeDsaForCausalLM.fuse_input_projections = lambda self: 0  # type: ignore[method-assign]
+    try:
+        return Engine(config)
+    finally:
+        GlmMoeDsaForCausalLM.fuse_input_projections = fuse  # type: ignore[method-assign]
 
 
 def offline(
@@ -328,6 +337,7 @@ def main() -> None:
     ap.add_argument("--gguf")
     ap.add_argument("--users", type=int, default=0)
     ap.add_argument("--llama-server")
+    ap.add_argument("--unfused", action="store_true", help="also a compiled engine without fused input projections")
     a = ap.parse_args()
     if (a.llama_bench or a.llama_server) and not a.gguf:
         raise SystemExit("--llama-bench and --llama-server need --gguf (the same weights converted to GGUF)")
@@ -340,6 +350,8 @@ def main() -> None:
         print(f"compiled engine started in {time.perf_counter() - start:.1f} s "
               f"(compiling {compiled.compile_seconds if compiled else 0:.1f} s)")  # fmt: skip
         engines = {"eager": new_engine(model, eager=True), "compiled": engine}
+        if a.unfused:
+            engines["compiled, unfused"] = new_engine(model, fused=False)
         vocab = engine.model_config.vocab_size
         ids = context_ids(vocab, a.context)
         for e in engines.values():
@@ -357,6 +369,10 @@ def main() -> None:
         offline_ms = ms(all_steps)
         print(f"\noffline median over runs: compiled {offline_ms:.2f} ms/token, eager {ms(per['eager']):.2f} "
               f"({ms(per['eager']) / offline_ms:.2f}x the compiled time)")  # fmt: skip
+        if a.unfused:
+            unfused = ms(per["compiled, unfused"])
+            print(f"compiled without fused input projections: {unfused:.2f} ms/token ({unfused / offline_ms:.2f}x)")
+            del engines["compiled, unfused"]
         del engines["eager"]
 
         if a.profile:

@@ -78,19 +78,27 @@ class Indexer(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
 
     def project(
-        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        projected: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, D), q_resid (N, q_lora) -> q (N, Hi, Di) f32, k (N, Di), weights (N, Hi) f32."""
+        """x (N, D), q_resid (N, q_lora) -> q (N, Hi, Di) f32, k (N, Di), weights (N, Hi) f32. `projected`: wk(x)
+        and weights_proj(x) (or None) when the attention computed them in its fused input projection."""
         n = x.shape[0]
         q = self.wq_b(q_resid).view(n, self.num_heads, self.head_dim)
         # rope on the first rope_dim dims here (MLA puts it last)
         q = torch.cat([apply_interleaved(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim :]], dim=-1)
-        k = self.k_norm(self.wk(x))
+        k_raw, w_raw = projected if projected is not None else (self.wk(x), None)
+        k = self.k_norm(k_raw)
         k = torch.cat([apply_interleaved(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim :]], dim=-1)
-        # float32 like the reference; a quantized weights_proj dequantizes to the input's dtype, so float32 too
-        wp = self.weights_proj
-        w = wp(x.to(wp.weight.dtype if isinstance(wp, nn.Linear) else torch.float32)).float() * self.num_heads**-0.5
-        return q.float(), k, w
+        if w_raw is None:
+            # float32 like the reference; a quantized weights_proj dequantizes to the input's dtype, so float32
+            wp = self.weights_proj
+            w_raw = wp(x.to(wp.weight.dtype if isinstance(wp, nn.Linear) else torch.float32))
+        return q.float(), k, w_raw.float() * self.num_heads**-0.5
 
 
 class MLAttention(nn.Module):
@@ -118,6 +126,31 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.indexer = Indexer(config) if index_layer >= 0 else None
+        self._fused: tuple[torch.Tensor, list[int]] | None = None  # fuse_input_projections()
+
+    def fuse_input_projections(self) -> int:
+        """One matrix product for the projections that read the layer's input (q_a, kv_a and the indexer's wk
+        and weights_proj): a decode step is dispatch-bound, and this is 4 products -> 1 on a full-indexer
+        layer. The modules' weights become views of the fused matrix, so an in-place weight update (RL's
+        weight sync) updates it too. Plain unbiased float weights of one dtype only (a quantized or float32-kept
+        projection stays on its own). Returns how many projections were fused (0: none)."""
+        parts = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        if self.indexer is not None:
+            parts += [self.indexer.wk, self.indexer.weights_proj]
+        dtype, device = self.q_a_proj.weight.dtype, self.q_a_proj.weight.device
+        usable = [type(p) is nn.Linear and p.bias is None and p.weight.dtype == dtype and p.weight.device == device
+                  for p in parts]  # fmt: skip
+        n = 2 + sum(usable[2:4]) if all(usable[:2]) and (self.indexer is None or usable[2]) else 0
+        if n < 2 or self._fused is not None:
+            return 0
+        fused = torch.cat([p.weight.detach() for p in parts[:n]])
+        rows = [p.weight.shape[0] for p in parts[:n]]
+        start = 0
+        for p, r in zip(parts[:n], rows, strict=True):
+            p.weight = nn.Parameter(fused[start : start + r], requires_grad=False)
+            start += r
+        self._fused = (fused, rows)
+        return n
 
     def _w_kv_b(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj's weight per head (absorbed attention multiplies by it directly): (H, nope + v, C)."""
@@ -136,18 +169,26 @@ class MLAttention(nn.Module):
         prev: LayerSelection | None,
     ) -> tuple[torch.Tensor, LayerSelection]:
         n = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        projected: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if self._fused is not None:
+            outs = nn.functional.linear(x, self._fused[0]).split(self._fused[1], dim=-1)
+            q_a, kv_a = outs[0], outs[1]
+            if len(outs) > 2:
+                projected = (outs[2], outs[3] if len(outs) > 3 else None)
+        else:
+            q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        q_resid = self.q_a_layernorm(q_a)
         q = self.q_b_proj(q_resid).view(n, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_interleaved(q_rope, cos, sin)  # (N, H, R)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_rope = apply_interleaved(k_rope, cos, sin)
         cache.write_kv(self.layer_idx, batch.slot_mapping, torch.cat([latent, k_rope], dim=-1))
 
         index: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin)
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin, projected)
             cache.write_index(self.index_layer, batch.slot_mapping, ik)
             index = (iq, iw)
         elif prev is None:

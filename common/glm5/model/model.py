@@ -83,6 +83,11 @@ class GlmMoeDsaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def fuse_input_projections(self) -> int:
+        """Each attention's input projections as one matrix product (MLAttention.fuse_input_projections), for
+        serving. Returns the number of projections fused."""
+        return sum(layer.self_attn.fuse_input_projections() for layer in self.model.layers)  # type: ignore[union-attr]
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (N,) -> cos, sin (N, R/2), computed like transformers (float32, then cast)."""
         freqs = positions[:, None].float() * self._inv_freq.to(positions.device)

@@ -70,6 +70,7 @@ class ModelRunner:
         self.model: GlmMoeDsaForCausalLM = load_model(
             rc.model_dir, rc.dtype, self.device, progress=None if tp.is_first else False, rope=rc.model.rope, tp=tp
         )  # one progress bar per replica: rank 0's
+        self.fused_projections = self.model.fuse_input_projections()
         self.weight_bytes_by_dtype = weight_bytes_by_dtype(self.model)
         self.weight_bytes = sum(self.weight_bytes_by_dtype.values())
         self._check_placement()
