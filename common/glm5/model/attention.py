@@ -18,6 +18,7 @@ from glm5.kernels.base import DSAKernels
 from glm5.kvcache.storage import PagedKVStorage
 from glm5.model.batch import DecodeGroup, ForwardBatch
 from glm5.model.config import ModelConfig
+from glm5.model.fused import Fused, fuse_rows, run_fused
 from glm5.model.norms import RMSNorm
 from glm5.model.quant import dense_weight
 from glm5.model.rope import apply_interleaved
@@ -126,31 +127,18 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(config.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.indexer = Indexer(config) if index_layer >= 0 else None
-        self._fused: tuple[torch.Tensor, list[int]] | None = None  # fuse_input_projections()
+        self._fused: Fused | None = None  # fuse_input_projections()
 
     def fuse_input_projections(self) -> int:
-        """One matrix product for the projections that read the layer's input (q_a, kv_a and the indexer's wk
-        and weights_proj): a decode step is dispatch-bound, and this is 4 products -> 1 on a full-indexer
-        layer. The modules' weights become views of the fused matrix, so an in-place weight update (RL's
-        weight sync) updates it too. Plain unbiased float weights of one dtype only (a quantized or float32-kept
-        projection stays on its own). Returns how many projections were fused (0: none)."""
-        parts = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        """q_a, kv_a and the indexer's wk and weights_proj as one product (glm5.model.fused; 4 -> 1 on a
+        full-indexer layer, as far as they qualify); returns how many were fused."""
+        parts: list[nn.Module] = [self.q_a_proj, self.kv_a_proj_with_mqa]
         if self.indexer is not None:
             parts += [self.indexer.wk, self.indexer.weights_proj]
-        dtype, device = self.q_a_proj.weight.dtype, self.q_a_proj.weight.device
-        usable = [type(p) is nn.Linear and p.bias is None and p.weight.dtype == dtype and p.weight.device == device
-                  for p in parts]  # fmt: skip
-        n = 2 + sum(usable[2:4]) if all(usable[:2]) and (self.indexer is None or usable[2]) else 0
-        if n < 2 or self._fused is not None:
-            return 0
-        fused = torch.cat([p.weight.detach() for p in parts[:n]])
-        rows = [p.weight.shape[0] for p in parts[:n]]
-        start = 0
-        for p, r in zip(parts[:n], rows, strict=True):
-            p.weight = nn.Parameter(fused[start : start + r], requires_grad=False)
-            start += r
-        self._fused = (fused, rows)
-        return n
+        if self._fused is None:
+            self._fused = fuse_rows(parts)
+            return len(self._fused[1]) if self._fused else 0
+        return 0
 
     def _w_kv_b(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj's weight per head (absorbed attention multiplies by it directly): (H, nope + v, C)."""
@@ -171,7 +159,7 @@ class MLAttention(nn.Module):
         n = x.shape[0]
         projected: tuple[torch.Tensor, torch.Tensor | None] | None = None
         if self._fused is not None:
-            outs = nn.functional.linear(x, self._fused[0]).split(self._fused[1], dim=-1)
+            outs = run_fused(x, self._fused)
             q_a, kv_a = outs[0], outs[1]
             if len(outs) > 2:
                 projected = (outs[2], outs[3] if len(outs) > 3 else None)

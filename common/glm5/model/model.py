@@ -84,9 +84,15 @@ class GlmMoeDsaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fuse_input_projections(self) -> int:
-        """Each attention's input projections as one matrix product (MLAttention.fuse_input_projections), for
-        serving. Returns the number of projections fused."""
-        return sum(layer.self_attn.fuse_input_projections() for layer in self.model.layers)  # type: ignore[union-attr]
+        """The projections that read one input as one matrix product (glm5.model.fused), for serving: each
+        attention's q_a / kv_a / indexer wk / weights_proj, each MLP's (and shared expert's) gate / up. Returns
+        the number of projections fused."""
+        n = 0
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            mlp = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
+            n += layer.self_attn.fuse_input_projections() + mlp.fuse_input_projections()
+        return n
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (N,) -> cos, sin (N, R/2), computed like transformers (float32, then cast)."""

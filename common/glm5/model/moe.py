@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glm5.model.config import ModelConfig
+from glm5.model.fused import Fused, fuse_rows, run_fused
 from glm5.model.quant import (
     FP8,
     INT4_PER_WORD,
@@ -37,9 +38,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._fused: Fused | None = None  # fuse_input_projections()
+
+    def fuse_input_projections(self) -> int:
+        """gate and up as one product (glm5.model.fused); returns how many were fused."""
+        if self._fused is None:
+            self._fused = fuse_rows([self.gate_proj, self.up_proj])
+            return len(self._fused[1]) if self._fused else 0
+        return 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = run_fused(x, self._fused) if self._fused is not None else (self.gate_proj(x), self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 

@@ -67,7 +67,7 @@ def test_batched_chunked_greedy_matches_transformers(checkpoint) -> None:
     path, hf = checkpoint
     engine = make_engine(path)
     # one product per layer for the projections of its input: 4 on the three full-indexer layers, 2 on the shared
-    assert engine.runner.fused_projections == 3 * 4 + 2
+    assert engine.runner.fused_projections == 3 * 4 + 2 + 4 * 2  # and each MLP's gate and up
     ps = prompts(6)
     for i, p in enumerate(ps):
         engine.add_request(f"r{i}", None, p, greedy(12))
