@@ -84,16 +84,17 @@ class Indexer(nn.Module):
         q_resid: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        projected: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+        q_raw: torch.Tensor | None = None,
+        k_raw: torch.Tensor | None = None,
+        w_raw: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, D), q_resid (N, q_lora) -> q (N, Hi, Di) f32, k (N, Di), weights (N, Hi) f32. `projected`: wk(x)
-        and weights_proj(x) (or None) when the attention computed them in its fused input projection."""
+        """x (N, D), q_resid (N, q_lora) -> q (N, Hi, Di) f32, k (N, Di), weights (N, Hi) f32. `q_raw`, `k_raw`,
+        `w_raw`: wq_b(q_resid), wk(x), weights_proj(x) when the attention computed them in a fused product."""
         n = x.shape[0]
-        q = self.wq_b(q_resid).view(n, self.num_heads, self.head_dim)
+        q = (self.wq_b(q_resid) if q_raw is None else q_raw).view(n, self.num_heads, self.head_dim)
         # rope on the first rope_dim dims here (MLA puts it last)
         q = torch.cat([apply_interleaved(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim :]], dim=-1)
-        k_raw, w_raw = projected if projected is not None else (self.wk(x), None)
-        k = self.k_norm(k_raw)
+        k = self.k_norm(self.wk(x) if k_raw is None else k_raw)
         k = torch.cat([apply_interleaved(k[..., : self.rope_dim], cos, sin), k[..., self.rope_dim :]], dim=-1)
         if w_raw is None:
             # float32 like the reference; a quantized weights_proj dequantizes to the input's dtype, so float32
@@ -128,17 +129,20 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.indexer = Indexer(config) if index_layer >= 0 else None
         self._fused: Fused | None = None  # fuse_input_projections()
+        self._fused_q: Fused | None = None
 
     def fuse_input_projections(self) -> int:
-        """q_a, kv_a and the indexer's wk and weights_proj as one product (glm5.model.fused; 4 -> 1 on a
-        full-indexer layer, as far as they qualify); returns how many were fused."""
+        """q_a, kv_a and the indexer's wk and weights_proj as one product, q_b and the indexer's wq_b as another
+        (glm5.model.fused: 6 -> 2 on a full-indexer layer, as far as they qualify); returns how many were fused."""
         parts: list[nn.Module] = [self.q_a_proj, self.kv_a_proj_with_mqa]
         if self.indexer is not None:
             parts += [self.indexer.wk, self.indexer.weights_proj]
-        if self._fused is None:
-            self._fused = fuse_rows(parts)
-            return len(self._fused[1]) if self._fused else 0
-        return 0
+        if self._fused is not None:
+            return 0
+        self._fused = fuse_rows(parts)
+        # and the two products of q_resid: MLA's q_b and the indexer's wq_b
+        self._fused_q = fuse_rows([self.q_b_proj, self.indexer.wq_b]) if self.indexer is not None else None
+        return (len(self._fused[1]) if self._fused else 0) + (len(self._fused_q[1]) if self._fused_q else 0)
 
     def _w_kv_b(self, dtype: torch.dtype) -> torch.Tensor:
         """kv_b_proj's weight per head (absorbed attention multiplies by it directly): (H, nope + v, C)."""
@@ -157,26 +161,29 @@ class MLAttention(nn.Module):
         prev: LayerSelection | None,
     ) -> tuple[torch.Tensor, LayerSelection]:
         n = x.shape[0]
-        projected: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # the fused products (fuse_input_projections) give what the indexer would compute itself as well
+        k_raw = w_raw = q_raw = None
         if self._fused is not None:
-            outs = run_fused(x, self._fused)
-            q_a, kv_a = outs[0], outs[1]
-            if len(outs) > 2:
-                projected = (outs[2], outs[3] if len(outs) > 3 else None)
+            q_a, kv_a, *rest = run_fused(x, self._fused)
+            k_raw, w_raw = (*rest, None, None)[:2]
         else:
             q_a, kv_a = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
         q_resid = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_resid).view(n, self.num_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        if self._fused_q is not None:
+            q_b, q_raw = run_fused(q_resid, self._fused_q)
+        else:
+            q_b = self.q_b_proj(q_resid)
+        q = q_b.view(n, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_interleaved(q_rope, cos, sin)  # (N, H, R)
-        latent, k_rope = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_rope = torch.split(kv_a, [self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_rope = apply_interleaved(k_rope, cos, sin)
         cache.write_kv(self.layer_idx, batch.slot_mapping, torch.cat([latent, k_rope], dim=-1))
 
         index: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.indexer is not None:
-            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin, projected)
+            iq, ik, iw = self.indexer.project(x, q_resid, cos, sin, q_raw, k_raw, w_raw)
             cache.write_index(self.index_layer, batch.slot_mapping, ik)
             index = (iq, iw)
         elif prev is None:

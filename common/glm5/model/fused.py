@@ -43,4 +43,4 @@ def fuse_rows(parts: list[nn.Module]) -> Fused | None:
 
 def run_fused(x: torch.Tensor, fused: Fused) -> tuple[torch.Tensor, ...]:
     """Each fused layer's output of `x`."""
-    return tuple(nn.functional.linear(x, fused[0]).split(fused[1], dim=-1))
+    return tuple(torch.split(nn.functional.linear(x, fused[0]), fused[1], dim=-1))

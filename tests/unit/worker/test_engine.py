@@ -66,8 +66,9 @@ def greedy(new: int, **kw) -> SamplingParams:
 def test_batched_chunked_greedy_matches_transformers(checkpoint) -> None:
     path, hf = checkpoint
     engine = make_engine(path)
-    # one product per layer for the projections of its input: 4 on the three full-indexer layers, 2 on the shared
-    assert engine.runner.fused_projections == 3 * 4 + 2 + 4 * 2  # and each MLP's gate and up
+    # the products of one input as one: q_a/kv_a/wk/weights_proj and q_b/wq_b on the three full-indexer layers,
+    # q_a/kv_a on the shared one, gate/up in each layer's MLP or shared expert
+    assert engine.runner.fused_projections == 3 * (4 + 2) + 2 + 4 * 2
     ps = prompts(6)
     for i, p in enumerate(ps):
         engine.add_request(f"r{i}", None, p, greedy(12))
