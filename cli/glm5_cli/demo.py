@@ -164,10 +164,15 @@ def _report(stage: str, e: dict[str, Any]) -> None:
           f"{e['tool_call_validity']}, unknown calls {e['unknown_tool_calls']}", flush=True)  # fmt: skip
 
 
+def _stage_key(meta: dict[str, Any], name: str) -> str:
+    """`name`, or name_2, name_3... when the checkpoint's record (`--from`) already holds such a stage."""
+    return next(k for n in itertools.count(1) if (k := name + (f"_{n}" if n > 1 else "")) not in meta)
+
+
 def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, Any]) -> Path:
     """Supervised tool use on top of `base` (traces, drills, replayed additions: glm5_trainer.tool_sft), then
     `glm5 rl --env tools` from it (either stage may be skipped); returns the last stage's checkpoint. A second
-    RL stage on a checkpoint that had one (`--from`) is recorded beside it, as tools_rl_2 and so on."""
+    stage on a checkpoint that had one (`--from`) is recorded beside it, as tools_sft_2, tools_rl_2 and so on."""
     final = base
     if a.tool_steps:
         try:
@@ -177,15 +182,15 @@ def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, 
         final = work / "tools"
         _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
         e = tools["evaluation"] = play_offline(final, "tools", held_out)
-        meta["tools_sft"] = tools
+        meta[_stage_key(meta, "tools_sft")] = tools
         _report("tool SFT", e)
     if not a.tool_rl_steps:
         return final
     tool_rl = _rl(final, work / "rl-tools", a.tool_rl_steps, a.tool_rl_lr, a, env="tools")
     kept = ("evaluation_before", "evaluation_after", "train_seconds", "final_version")
-    key = next(k for n in itertools.count(1) if (k := "tools_rl" + (f"_{n}" if n > 1 else "")) not in meta)
-    meta[key] = {"steps": a.tool_rl_steps, "learning_rate": a.tool_rl_lr, "lr_schedule": "cosine",
-                        "seed": a.rl_seed, **{k: tool_rl[k] for k in kept}}  # fmt: skip
+    meta[_stage_key(meta, "tools_rl")] = {"steps": a.tool_rl_steps, "learning_rate": a.tool_rl_lr,
+                                          "lr_schedule": "cosine", "seed": a.rl_seed,
+                                          **{k: tool_rl[k] for k in kept}}  # fmt: skip
     if e := tool_rl["evaluation_after"]:
         _report("tool RL", e)
     return Path(str(tool_rl["final_checkpoint"]))
