@@ -101,8 +101,9 @@ class Tokenizer:
     ) -> tuple[list[int], str]:
         """The chat template applied and encoded (bounded as `encode_bounded`), with special tokens only where the
         template writes them: the text of a special token inside a system, user or tool message's content (a
-        pasted document, a tool's output) is encoded as plain text, so no message can forge a turn
-        (`<|assistant|>`), a tool call or the end of the thinking. Returns (ids, the rendered text).
+        pasted document, a tool's output) or in the tool definitions (a third party's tool descriptions) is
+        encoded as plain text, so no message can forge a turn (`<|assistant|>`), a tool call or the end of the
+        thinking. Returns (ids, the rendered text).
 
         The content's special-token strings go through the template as placeholders carrying a per-call nonce
         (unguessable, so a message cannot write one) and are encoded on their own with special-token parsing
@@ -118,12 +119,19 @@ class Tokenizer:
             literals.append(match.group(0))
             return f"\ue000{nonce}:{len(literals) - 1}\ue001"
 
+        def shield(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._special_re.sub(hide, value)
+            if isinstance(value, dict):
+                return {shield(k): shield(v) for k, v in value.items()}
+            return [shield(v) for v in value] if isinstance(value, list) else value
+
         shielded = [
-            dict(m, content=self._special_re.sub(hide, m["content"]))
+            dict(m, content=shield(m["content"]))
             if m.get("role") in LITERAL_ROLES and isinstance(m.get("content"), str) else m
             for m in messages
         ]  # fmt: skip
-        text = self.apply_chat_template(shielded, tools=tools, **kwargs)
+        text = self.apply_chat_template(shielded, tools=shield(tools), **kwargs)
         if not literals:
             return self.encode_bounded(text, max_tokens, field="messages"), text
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)  # text, index, text, index, ..., text
