@@ -92,6 +92,10 @@ class AsyncEngine:
         self._sinks: dict[str, _Sink] = {}
         self._accepting = True
         self._stop = threading.Event()
+        # set, under the lock, when the engine thread stops taking commands: a command sent after that (or left
+        # in the queue then) fails with EngineStopped instead of waiting for a thread that is gone
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, args=(build,), name="glm5-engine", daemon=True)
         self._thread.start()
 
@@ -109,8 +113,22 @@ class AsyncEngine:
 
     # engine thread ------------------------------------------------------------------------------------------
     def _run(self, build: Callable[[], Engine]) -> None:
+        try:
+            self._serve(build)
+        finally:
+            with self._lock:
+                self._closed = True
+                self._accepting = False
+            while True:
+                try:
+                    _, fut = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineStopped("the engine is not running"))
+
+    def _serve(self, build: Callable[[], Engine]) -> None:
         if settle(self._built, build) is not None or self._built.cancelled():  # nothing to serve with
-            self._accepting = False
             return
         self.engine = self._built.result()
         while not self._stop.is_set():
@@ -177,7 +195,11 @@ class AsyncEngine:
     # caller side --------------------------------------------------------------------------------------------
     def call(self, fn: Callable[[], T]) -> Future[T]:
         fut: Future[T] = Future()
-        self._commands.put((fn, fut))
+        with self._lock:
+            if self._closed:
+                fut.set_exception(EngineStopped("the engine is not running"))
+            else:
+                self._commands.put((fn, fut))
         return fut
 
     async def run(self, fn: Callable[[], T]) -> T:
