@@ -109,9 +109,6 @@ class Tokenizer:
         (unguessable, so a message cannot write one) and are encoded on their own with special-token parsing
         off; an assistant message's content keeps its markup (it is the model's own output sent back, and the
         template splits its `</think>`)."""
-        if not self.special_tokens:
-            text = self.apply_chat_template(messages, tools=tools, **kwargs)
-            return self.encode_bounded(text, max_tokens, field="messages"), text
         nonce = secrets.token_hex(8)
         literals: list[str] = []
 
@@ -120,6 +117,8 @@ class Tokenizer:
             return f"\ue000{nonce}:{len(literals) - 1}\ue001"
 
         def shield(value: Any) -> Any:
+            if not self.special_tokens:  # (an empty pattern would match everywhere)
+                return value
             if isinstance(value, str):
                 return self._special_re.sub(hide, value)
             if isinstance(value, dict):

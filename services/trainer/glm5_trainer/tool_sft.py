@@ -29,6 +29,7 @@ Schema forces `{"answer": ` the model has learnt what follows, the number and th
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -72,8 +73,7 @@ def trace(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
 def drill(tok: Tokenizer, p: Problem) -> tuple[list[int], list[int]]:
     """The episode's turns after the question asked without tools (the module docstring says why), the loss on
     the answer only: the call is not taught where no tools were offered."""
-    prompt = tok.encode(tok.apply_chat_template(list(p.messages), enable_thinking=True))
-    return _episode(tok, p, prompt, call_loss=False)
+    return _episode(tok, p, prompt_ids(tok, dataclasses.replace(p, tools=())), call_loss=False)
 
 
 def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
