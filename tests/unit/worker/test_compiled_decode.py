@@ -19,6 +19,7 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.compiled import Shape, unavailable
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from tests.helpers.oracle import hf_checkpoint
 
@@ -63,6 +64,10 @@ def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: 
     assert runner is not None and eager.runner.compiled is None
     # blocks of 16 and top-k 12: every context is long; batch 1 and batches of 2..4 each have a graph
     assert runner.ready == {Shape(single=True, long=True), Shape(single=False, long=True)}
+    # each shape's function holds its one graph: a step checks one graph's guards, not every shape's in turn
+    for shape in runner.ready:
+        code = runner._fns[shape]._torchdynamo_orig_callable.__code__  # type: ignore[attr-defined]
+        assert len(_debug_get_cache_entry_list(code)) == 1, shape
     ps = prompts([5, 40, 70], seed=1)
     for together in (False, True):
         want = generate(eager, ps, 24, together)

@@ -21,10 +21,11 @@ import logging
 import os
 import shutil
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from glm5.model.batch import DecodeGroup, ForwardBatch
@@ -71,6 +72,29 @@ class Shape:
         return f"{'batch 1' if self.single else 'batch 2+'}, {'long' if self.long else 'short'} contexts"
 
 
+# most useful first (one user, a long context): the order warm_up compiles them in
+SHAPES = (Shape(True, True), Shape(True, False), Shape(False, True), Shape(False, False))
+
+# Inductor options of every graph:
+# - a C++ wrapper calls the step's kernels and matrix products instead of Python: 25-35% off a batch-1 step of
+#   the tiny model (docs/benchmarks.md n);
+# - in the batch-1 graphs, matrix-vector products (one row, both weight dimensions <= 2048) become loops
+#   inductor generates and fuses with their neighbours instead of calls into the BLAS library: ~20% off a
+#   batch-1 step of the tiny model; larger weights (a real model's) keep the library's products.
+_OPTIONS: dict[str, Any] = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+
+
+def _compile(method: types.MethodType, shape: Shape) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """`method` compiled for one shape. Each shape's function has its own copy of the code object: dynamo
+    keeps its graphs per code object and checks each one's guards in turn until one passes, ~17 us each on
+    the tiny model, so a single cache of four graphs cost a batch-1 step ~70 us of guard checks."""
+    fn = method.__func__
+    name = f"decode_{'single' if shape.single else 'batch'}_{'long' if shape.long else 'short'}"
+    code = fn.__code__.replace(co_name=name, co_qualname=f"CompiledDecode.{name}")
+    clone = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    return torch.compile(types.MethodType(clone, method.__self__), options=_OPTIONS)
+
+
 class CompiledDecode:
     def __init__(self, runner: ModelRunner, max_batch: int, cache_dir: Path, budget_s: float) -> None:
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -92,11 +116,7 @@ class CompiledDecode:
         self.compile_seconds = 0.0
         self.steps = 0  # decode steps run compiled
         self.fallbacks = 0  # decode steps that needed a graph not compiled at start-up
-        # a C++ wrapper calls the step's ~120 kernels and matrix products instead of Python: 25-35% off a batch-1
-        # step of the tiny model (docs/benchmarks.md n)
-        self._fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
-            self._decode, options={"cpp_wrapper": True}
-        )
+        self._fns = {shape: _compile(self._decode, shape) for shape in SHAPES}  # type: ignore[arg-type]
 
     def _decode(self, rows: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits, and each sparse layer's attention entropy: measured every step (a few hundred products at
@@ -133,9 +153,8 @@ class CompiledDecode:
         """Compiles every shape, most useful first (one user, a long context), while the budget lasts. Writes
         the KV of dummy tokens into block 0's first slots: nothing is cached yet, and a sequence given that
         block writes its own tokens there before it reads them."""
-        shapes = [Shape(True, True), Shape(True, False), Shape(False, True), Shape(False, False)]
         start = time.perf_counter()
-        for shape in shapes:
+        for shape in SHAPES:
             width = self.long_width if shape.long else self.short_width
             if width is None or (not shape.single and self.max_batch < 2):
                 continue
@@ -148,7 +167,7 @@ class CompiledDecode:
                                 [width * self.block_size] * b, width)  # fmt: skip
             try:
                 with torch.inference_mode():
-                    self._fn(*args)
+                    self._fns[shape](*args)
             except Exception as exc:  # a compiler that fails here must not stop the worker: it serves eagerly
                 log.warning("compiling decode steps (%s) failed, they run eagerly: %s", shape, exc)
                 continue
@@ -166,15 +185,16 @@ class CompiledDecode:
         if plan.prefills or not 1 <= b <= self.max_batch or plan.layer_topk is not None:
             return None
         width = self._width(plan.decode_tables)
+        shape = self._shape(b, width)
         # longer contexts score their indexer keys in place, eagerly
-        if width * self.block_size >= self.paged_min or self._shape(b, width) not in self.ready:
+        if width * self.block_size >= self.paged_min or shape not in self.ready:
             return None
         args = self._inputs(plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths,
                             width)  # fmt: skip
         try:
             # never compile while serving: a step that needs a new graph runs eagerly
             with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
-                logits, entropy = self._fn(*args)
+                logits, entropy = self._fns[shape](*args)
         except (torch._dynamo.exc.RecompileError, RuntimeError) as exc:
             # a frame after a graph break that would recompile raises a plain RuntimeError; the eager rerun
             # writes the same KV rows again, so a step cut short there is safe to repeat
