@@ -15,7 +15,8 @@ Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 
 - --profile: one more offline run with the compiled step's phases timed (nested, so a part's time includes the
   parts inside it) and the ATen ops one eager decode step dispatches;
 - --llama-bench PATH --gguf FILE: llama.cpp's `llama-bench -p 0 -n NEW -d CONTEXT` on the same weights converted
-  to GGUF (docs/benchmarks.md says how), and the ratio;
+  to GGUF (docs/benchmarks.md says how), once per run right after our engines' runs, and the ratio run by run
+  (this machine's speed drifts by more than the gap between the two within minutes);
 - --users N: N users at once through `glm5 serve` (streamed /v1/completions, a different CONTEXT-token prompt
   each, fresh prompts every run so no prefix cache helps): output tokens/s over the run, time to first token,
   time between tokens; with --llama-server PATH (and --gguf) the same against llama.cpp's `llama-server -np N`
@@ -359,16 +360,30 @@ def main() -> None:
         print(f"model {PRESET}, float32, {a.threads} threads, context {a.context}, {a.new} new tokens, greedy")
         print("\n| engine | run | prefill tok/s | decode ms/token p50 | p90 | tok/s |\n|---|---:|---:|---:|---:|---:|")
         per: dict[str, list[float]] = collections.defaultdict(list)
+        # per run: our compiled engine's median ms/token and llama.cpp's (--llama-bench), taken back to back
+        pairs: list[tuple[float, float]] = []
         for run in range(a.runs):
             for name, e in engines.items():  # interleaved, so drift hits both alike
                 prefill, steps = offline(e, ids, a.new, f"r{run}")
                 per[name] += steps
                 print(f"| {name} | {run + 1} | {a.context / prefill:,.0f} | {ms(steps):.2f} | {ms(steps, 0.9):.2f} | "
                       f"{1000 / ms(steps):.0f} |")  # fmt: skip
+                if name == "compiled":
+                    pairs.append((ms(steps), 0.0))
+            if a.llama_bench:
+                tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
+                pairs[-1] = (pairs[-1][0], 1000 / tps)
+                print(f"| llama.cpp | {run + 1} | | {1000 / tps:.2f} (mean) | | {tps:.0f} |")
         all_steps = per["compiled"]
         offline_ms = ms(all_steps)
         print(f"\noffline median over runs: compiled {offline_ms:.2f} ms/token, eager {ms(per['eager']):.2f} "
               f"({ms(per['eager']) / offline_ms:.2f}x the compiled time)")  # fmt: skip
+        if a.llama_bench:
+            ratios = sorted(ours / theirs for ours, theirs in pairs)
+            llama_ms = sorted(theirs for _, theirs in pairs)[len(pairs) // 2]
+            print(f"llama.cpp median over runs: {llama_ms:.2f} ms/token; ours / llama.cpp, run by run: "
+                  f"{', '.join(f'{r:.2f}' for r in ratios)} (median {ratios[len(ratios) // 2]:.2f}x the time; "
+                  f"ours faster in {sum(r < 1 for r in ratios)} of {len(ratios)} runs)")  # fmt: skip
         if a.unfused:
             unfused = ms(per["compiled, unfused"])
             print(f"compiled without fused input projections: {unfused:.2f} ms/token ({unfused / offline_ms:.2f}x)")
@@ -392,10 +407,12 @@ def main() -> None:
                 print(f"| {name} | {count} | {us:.0f} |")
 
         if a.serve:
-            del engine
             hops: dict[str, list[float]] = collections.defaultdict(list)
             with serve(model, a.threads) as (base, router_grpc, worker):
                 clients: dict[str, Any] = {
+                    # the engine offline again, interleaved with the clients: each hop is measured against
+                    # the engine's time of the same minutes
+                    "engine offline": lambda n: (0.0, offline(engine, ids, n, "serve")[1]),
                     "worker gRPC stream": lambda n: grpc_gaps(worker, ids, n, via_router=False),
                     "router gRPC stream": lambda n: grpc_gaps(router_grpc, ids, n, via_router=True),
                     "router HTTP SSE (/v1/completions)": lambda n: stream_gaps(base, ids, n),
@@ -408,20 +425,16 @@ def main() -> None:
                         ttft, g = client(a.new)
                         hops[name] += g
                         print(f"| {name} | {run + 1} | {1000 * ttft:.0f} | {ms(g):.2f} | {ms(g, 0.9):.2f} |")
-            print(f"\n| where | ms/token (median) | added by this hop |\n|---|---:|---:|\n| engine offline | "
-                  f"{offline_ms:.2f} | |")  # fmt: skip
-            before = offline_ms
+            print("\n| where | ms/token (median) | added by this hop |\n|---|---:|---:|")
+            before = None
             for name, g in hops.items():
-                print(f"| {name} | {ms(g):.2f} | {ms(g) - before:+.2f} |")
+                print(f"| {name} | {ms(g):.2f} | {'' if before is None else f'{ms(g) - before:+.2f}'} |")
                 before = ms(g)
+            sse = ms(hops["router HTTP SSE (/v1/completions)"]) - ms(hops["engine offline"])
+            print(f"\nthrough glm5 serve (SSE) over the engine offline: {sse:+.2f} ms/token")
 
         if a.users:
             concurrent(model, a, vocab)
-
-        if a.llama_bench:
-            tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
-            print(f"\nllama.cpp: {1000 / tps:.2f} ms/token ({tps:.0f} tok/s); ours offline / llama.cpp: "
-                  f"{offline_ms / (1000 / tps):.2f}x the time")  # fmt: skip
 
 
 def concurrent(model: Path, a: argparse.Namespace, vocab: int) -> None:

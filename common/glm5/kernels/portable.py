@@ -39,6 +39,10 @@ class PortableKernels:
         The op order (scale, relu, weighted sum) is transformers' so top-k sets match it exactly.
         """
         b, n, heads, dim = q.shape
+        if torch.compiler.is_compiling() and b * n == 1:
+            # one decode query in a compiled step: generated loops, fused with the relu and the weighted sum
+            scores = (q[:, :, :, None, :] * keys[:, None, None]).sum(-1).mul_(scale).relu_()  # (1, 1, Hi, T)
+            return (weights[..., None] * scores).sum(2)
         if b == 1:  # one context for all queries (prefill): a single GEMM
             scores = (q.reshape(n * heads, dim) @ keys[0].T).view(1, n, heads, -1)  # (1, n, Hi, T)
         else:
