@@ -182,8 +182,8 @@ def ops_per_decode_step(engine: Engine, ids: list[int]) -> tuple[int, list[tuple
 
 @contextmanager
 def running(cmd: list[str], health: str, healthy: Callable[[Any], bool], what: str, timeout_s: float,
-            env: dict[str, str] | None = None) -> Iterator[None]:  # fmt: skip
-    """A server process, once `healthy(response)` of a GET on its `health` URL; stopped on exit."""
+            env: dict[str, str] | None = None) -> Iterator[int]:  # fmt: skip
+    """A server process (its pid), once `healthy(response)` of a GET on its `health` URL; stopped on exit."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + timeout_s
@@ -197,25 +197,58 @@ def running(cmd: list[str], health: str, healthy: Callable[[Any], bool], what: s
             time.sleep(0.5)
         else:
             raise RuntimeError(f"{what} did not become healthy")
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
 
 
 @contextmanager
-def serve(model: Path, threads: int) -> Iterator[tuple[str, str, str]]:
-    """(router HTTP, router gRPC, the worker's gRPC) addresses of a `glm5 serve` with one worker."""
+def serve(model: Path, threads: int) -> Iterator[tuple[str, str, str, dict[str, int]]]:
+    """(router HTTP, router gRPC, the worker's gRPC) addresses of a `glm5 serve` with one worker, and the pids of
+    its processes ("router": `glm5 serve` itself, which runs the router; "worker")."""
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "glm5_cli", "serve", "--model", str(model), "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-bytes=256MiB",
            "--worker-arg=--no-kv-int8-tier"]  # fmt: skip
     base = f"127.0.0.1:{http_port}"
-    with running(cmd, f"http://{base}/health", lambda r: json.load(r).get("status") == "ok", "glm5 serve", 300, env):
+    healthy = lambda r: json.load(r).get("status") == "ok"  # noqa: E731
+    with running(cmd, f"http://{base}/health", healthy, "glm5 serve", 300, env) as pid:
         with urllib.request.urlopen(f"http://{base}/health", timeout=5) as r:
             (worker,) = [w["address"] for w in json.load(r)["workers"]]
-        yield base, f"127.0.0.1:{grpc_port}", worker
+        (worker_pid,) = children(pid)
+        yield base, f"127.0.0.1:{grpc_port}", worker, {"router": pid, "worker": worker_pid}
+
+
+def children(pid: int) -> list[int]:
+    """The process's child pids (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time of a process (all its threads), or of one of its threads (Linux /proc)."""
+    path = Path(f"/proc/{pid}/task/{tid}/stat") if tid is not None else Path(f"/proc/{pid}/stat")
+    stat = path.read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def per_token_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of the serving path: the worker's main thread (its asyncio loop and gRPC writes; its
+    other threads run the step), the router process, and this client process."""
+    return {
+        "worker: event loop thread (gRPC stream)": cpu_seconds(pids["worker"], pids["worker"]),
+        "router (glm5 serve: gRPC relay, SSE)": cpu_seconds(pids["router"]),
+        "client (this benchmark, reading the SSE stream)": time.process_time(),
+    }
 
 
 def free_port() -> int:
@@ -408,7 +441,9 @@ def main() -> None:
 
         if a.serve:
             hops: dict[str, list[float]] = collections.defaultdict(list)
-            with serve(model, a.threads) as (base, router_grpc, worker):
+            cpu: dict[str, float] = collections.defaultdict(float)  # CPU seconds over the SSE runs
+            sse_tokens = 0
+            with serve(model, a.threads) as (base, router_grpc, worker, pids):
                 clients: dict[str, Any] = {
                     # the engine offline again, interleaved with the clients: each hop is measured against
                     # the engine's time of the same minutes
@@ -422,8 +457,15 @@ def main() -> None:
                 print("\n| client | run | TTFT ms | time between tokens p50 ms | p90 ms |\n|---|---:|---:|---:|---:|")
                 for run in range(a.runs):
                     for name, client in clients.items():  # interleaved, so drift hits every hop alike
+                        sse = name.startswith("router HTTP SSE")
+                        if sse:
+                            before = per_token_cpu(pids)
                         ttft, g = client(a.new)
                         hops[name] += g
+                        if sse:
+                            sse_tokens += len(g) + 1
+                            for k, v in per_token_cpu(pids).items():
+                                cpu[k] += v - before[k]
                         print(f"| {name} | {run + 1} | {1000 * ttft:.0f} | {ms(g):.2f} | {ms(g, 0.9):.2f} |")
             print("\n| where | ms/token (median) | added by this hop |\n|---|---:|---:|")
             before = None
@@ -432,6 +474,11 @@ def main() -> None:
                 before = ms(g)
             sse = ms(hops["router HTTP SSE (/v1/completions)"]) - ms(hops["engine offline"])
             print(f"\nthrough glm5 serve (SSE) over the engine offline: {sse:+.2f} ms/token")
+            print("\nCPU per streamed token outside the engine's step (the SSE runs; on a host whose cores the step "
+                  "keeps busy, it adds to the time between tokens):\n")  # fmt: skip
+            print("| process | CPU ms/token |\n|---|---:|")
+            for k, v in cpu.items():
+                print(f"| {k} | {1000 * v / sse_tokens:.3f} |")
 
         if a.users:
             concurrent(model, a, vocab)
