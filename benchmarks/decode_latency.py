@@ -213,12 +213,15 @@ def serve(model: Path, threads: int) -> Iterator[tuple[str, str, str, dict[str, 
            "--grpc-port", str(grpc_port), "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-bytes=256MiB",
            "--worker-arg=--no-kv-int8-tier"]  # fmt: skip
     base = f"127.0.0.1:{http_port}"
-    healthy = lambda r: json.load(r).get("status") == "ok"  # noqa: E731
-    with running(cmd, f"http://{base}/health", healthy, "glm5 serve", 300, env) as pid:
+    with running(cmd, f"http://{base}/health", router_ok, "glm5 serve", 300, env) as pid:
         with urllib.request.urlopen(f"http://{base}/health", timeout=5) as r:
             (worker,) = [w["address"] for w in json.load(r)["workers"]]
         (worker_pid,) = children(pid)
         yield base, f"127.0.0.1:{grpc_port}", worker, {"router": pid, "worker": worker_pid}
+
+
+def router_ok(response: Any) -> bool:
+    return bool(json.load(response).get("status") == "ok")
 
 
 def children(pid: int) -> list[int]:
@@ -393,8 +396,9 @@ def main() -> None:
         print(f"model {PRESET}, float32, {a.threads} threads, context {a.context}, {a.new} new tokens, greedy")
         print("\n| engine | run | prefill tok/s | decode ms/token p50 | p90 | tok/s |\n|---|---:|---:|---:|---:|---:|")
         per: dict[str, list[float]] = collections.defaultdict(list)
-        # per run: our compiled engine's median ms/token and llama.cpp's (--llama-bench), taken back to back
-        pairs: list[tuple[float, float]] = []
+        # per run, back to back: our compiled engine's median ms/token and llama.cpp's (--llama-bench)
+        ours_runs: list[float] = []
+        llama_runs: list[float] = []
         for run in range(a.runs):
             for name, e in engines.items():  # interleaved, so drift hits both alike
                 prefill, steps = offline(e, ids, a.new, f"r{run}")
@@ -402,18 +406,18 @@ def main() -> None:
                 print(f"| {name} | {run + 1} | {a.context / prefill:,.0f} | {ms(steps):.2f} | {ms(steps, 0.9):.2f} | "
                       f"{1000 / ms(steps):.0f} |")  # fmt: skip
                 if name == "compiled":
-                    pairs.append((ms(steps), 0.0))
+                    ours_runs.append(ms(steps))
             if a.llama_bench:
                 tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
-                pairs[-1] = (pairs[-1][0], 1000 / tps)
+                llama_runs.append(1000 / tps)
                 print(f"| llama.cpp | {run + 1} | | {1000 / tps:.2f} (mean) | | {tps:.0f} |")
         all_steps = per["compiled"]
         offline_ms = ms(all_steps)
         print(f"\noffline median over runs: compiled {offline_ms:.2f} ms/token, eager {ms(per['eager']):.2f} "
               f"({ms(per['eager']) / offline_ms:.2f}x the compiled time)")  # fmt: skip
         if a.llama_bench:
-            ratios = sorted(ours / theirs for ours, theirs in pairs)
-            llama_ms = sorted(theirs for _, theirs in pairs)[len(pairs) // 2]
+            ratios = sorted(ours / theirs for ours, theirs in zip(ours_runs, llama_runs, strict=True))
+            llama_ms = sorted(llama_runs)[len(llama_runs) // 2]
             print(f"llama.cpp median over runs: {llama_ms:.2f} ms/token; ours / llama.cpp, run by run: "
                   f"{', '.join(f'{r:.2f}' for r in ratios)} (median {ratios[len(ratios) // 2]:.2f}x the time; "
                   f"ours faster in {sum(r < 1 for r in ratios)} of {len(ratios)} runs)")  # fmt: skip
