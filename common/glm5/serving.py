@@ -57,10 +57,13 @@ async def start_serving(
     host: str,
     port: int,
     tls: TlsConfig = NO_TLS,
+    service_ready: bool = True,
 ) -> tuple[HealthServicer, int]:
     """Adds the service, grpc.health.v1 and reflection, binds host:port (0: any free port; TLS when `tls` is on),
-    starts, and reports SERVING for "" and the service. Returns the health servicer (for graceful shutdown) and
-    the bound port. A port that cannot be bound is a BindError naming it."""
+    starts, and reports SERVING for "" (the process is alive: liveness) and for the service unless `service_ready`
+    is False (NOT_SERVING until the caller sets it: readiness probes ask for the service by name). Returns the
+    health servicer (for graceful shutdown and that later set) and the bound port. A port that cannot be bound is a
+    BindError naming it."""
     add_service(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -72,9 +75,10 @@ async def start_serving(
         bound = 0
     if bound == 0:
         raise BindError(f"cannot listen on {host}:{port} (gRPC): the port is in use or the address is not on this host")
+    status = health_pb2.HealthCheckResponse
+    await health.set(service_name, status.SERVING if service_ready else status.NOT_SERVING)
     await server.start()
-    for name in ("", service_name):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", status.SERVING)
     return health, bound
 
 

@@ -31,7 +31,8 @@ def free_port() -> int:
 
 
 def wait_serving(target: str, timeout: float = 120.0, proc: subprocess.Popen | None = None,
-                 tls: TlsConfig = NO_TLS) -> None:  # fmt: skip
+                 tls: TlsConfig = NO_TLS, service: str = "") -> None:  # fmt: skip
+    """Until `target`'s grpc.health.v1 says SERVING for `service` ("": the process; a service name: ready)."""
     deadline = time.monotonic() + timeout
     with sync_channel(target, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -39,7 +40,7 @@ def wait_serving(target: str, timeout: float = 120.0, proc: subprocess.Popen | N
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process exited with {proc.returncode} before serving")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status == 1:
                     return
             except grpc.RpcError:
                 pass

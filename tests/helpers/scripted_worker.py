@@ -16,7 +16,8 @@ running request gets its next chunk, all in the same instant (what a worker's de
 
 GetStats reports the numbers in the JSON file given with --stats-file (re-read on every call), so a test can
 make the worker look fragmented or jittery; in that file `"_unhealthy": true` makes GetStats fail and
-`"_fail": "before"` makes every Generate fail before its first token.
+`"_fail": "before"` makes every Generate fail before its first token; `"_no_tokenizer": true` makes
+GetTokenizer fail (UNAVAILABLE).
 
     python -m tests.helpers.scripted_worker --port 50999 [--stats-file f.json] [--step-ms 20]
 """
@@ -132,6 +133,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         if values.pop("_unhealthy", False):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: unhealthy")
         values.pop("_fail", None)
+        values.pop("_no_tokenizer", None)
         return worker_pb2.WorkerStats(num_running=self.running, generated_tokens_total=self.served, **values)
 
     async def GetModelInfo(self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> Any:
@@ -142,6 +144,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         )  # fmt: skip
 
     async def GetTokenizer(self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext) -> Any:
+        if self._control().get("_no_tokenizer"):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: no tokenizer")
         tokenizer_json, config = self.tok.files
         return worker_pb2.TokenizerFiles(
             tokenizer_json=tokenizer_json, tokenizer_config_json=config, fingerprint=self.tok.fingerprint

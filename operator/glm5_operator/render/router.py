@@ -28,6 +28,7 @@ from glm5_operator.render.workers import ALL_INTERFACES, worker_address, worker_
 COMPONENT = "router"
 ROUTER_FILE = "router.json"
 ROUTER_DIR = "/etc/glm5/router"
+ROUTER_SERVICE = "glm5.v1.Router"  # the gRPC service whose health says ready (proto/glm5/v1/router.proto)
 SM4_DIR = "/etc/glm5/sm4"
 REDIS_DIR = "/etc/glm5/redis"
 REDIS_FILE = "url"
@@ -125,7 +126,8 @@ def router_deployment(
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
-        "readinessProbe": grpc_probe(probe_port, 5, 3),
+        # ready = a worker answered (the router service's health); alive = the process answers ("")
+        "readinessProbe": grpc_probe(probe_port, 5, 3, ROUTER_SERVICE),
         "livenessProbe": grpc_probe(probe_port, 20, 3),
     }
     return {

@@ -350,6 +350,47 @@ def test_unhealthy_worker_leaves_rotation_full_queue_429_deadline_408_and_it_com
         stop(proc)
 
 
+def test_router_is_ready_only_once_a_worker_answered_with_its_tokenizer(tmp_path: Path) -> None:
+    """Readiness (the router service's gRPC health, what the operator's readiness probe asks) waits for a worker
+    whose tokenizer the pool adopted: before that every API call is a 503, so a Ready router pod must not exist
+    yet. Liveness ("") is SERVING throughout. A worker whose GetTokenizer fails is not counted healthy."""
+    import grpc
+    from glm5.v1 import router_pb2
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    service = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    control = tmp_path / "stats.json"
+    control.write_text(json.dumps({"_no_tokenizer": True}))
+    worker, target = start_scripted_worker(control)
+    router, grpc_target, base = start_router([target])  # returns once "" is SERVING
+    try:
+        with grpc.insecure_channel(grpc_target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def status(name: str) -> int:
+                return int(stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status)
+
+            time.sleep(1.0)  # several polls (0.2 s), each failing at GetTokenizer
+            assert status("") == health_pb2.HealthCheckResponse.SERVING
+            assert status(service) == health_pb2.HealthCheckResponse.NOT_SERVING
+            health = _health({"base": base})
+            assert health["status"] == "unavailable" and health["workers"][0]["healthy"] is False
+            code, body, _ = _post(base + "/completions", {"prompt": "x", "max_tokens": 2})
+            assert code == 503 and "no worker" in body["error"]["message"]
+
+            control.write_text("{}")
+            deadline = time.monotonic() + 20
+            while status(service) != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "the router never turned ready"
+                time.sleep(0.1)
+            # ready means routable: the first request after it is answered
+            code, body, _ = _post(base + "/completions", {"prompt": "x", "max_tokens": 2})
+            assert code == 200 and body["choices"][0]["text"] == " token" * 2
+    finally:
+        stop(router)
+        stop(worker)
+
+
 def test_stream_interval_default_trades_messages_for_throughput(tmp_path: Path) -> None:
     """--stream-interval N: a request that does not set its own gets N tokens per message; one that does keeps
     its own. The chunks come 50 ms apart (SLOW), so only the interval can put several in one message."""

@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from glm5.errors import ConfigError
+from glm5.v1 import router_pb2
 from glm5_cli.main import parse_args
 from glm5_operator.api import parse_deployment, parse_rljob
 from glm5_operator.api.validation import InvalidSpec
@@ -210,6 +211,11 @@ def test_security_renders_tls_api_keys_probes_and_network_policies() -> None:
         assert container["readinessProbe"]["grpc"]["port"] == 8081  # kubelet probes cannot speak TLS
         assert {"name": "tls", "mountPath": "/etc/glm5/tls", "readOnly": True} in container["volumeMounts"]
         assert {"name": "tls", "secret": {"secretName": "glm5-tls", "defaultMode": 0o400}} in pod["volumes"]
+    # the router is ready once a worker answered (its service's health), alive while it answers at all ("")
+    router_container = children["Deployment", "secure-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert router_container["readinessProbe"]["grpc"]["service"] == router_pb2.DESCRIPTOR.services_by_name[
+        "Router"].full_name  # fmt: skip
+    assert "service" not in router_container["livenessProbe"]["grpc"]
     workers = children["NetworkPolicy", "secure-workers"]["spec"]
     assert workers["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
     (rule,) = workers["ingress"]

@@ -15,6 +15,7 @@ from glm5.errors import BindError, ConfigError
 from glm5.security import ApiKeyInterceptor, redact_url
 from glm5.serving import freeze_heap, new_server, start_health_server, start_serving
 from glm5.v1 import router_pb2, router_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from redis.exceptions import RedisError
 
@@ -45,8 +46,11 @@ class RouterApp:
     http_port: int
     shared: SharedQueue | None = None
     health_server: grpc.aio.Server | None = None
+    readiness: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float = 10.0) -> None:
+        if self.readiness is not None:
+            self.readiness.cancel()
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(grace)
         if self.health_server is not None:
@@ -97,7 +101,10 @@ async def start_router(config: RouterConfig) -> RouterApp:
     # (streaming or not)
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
     try:
-        health, grpc_port = await start_serving(server, SERVICE_NAME, add, config.host, config.grpc_port, config.tls)
+        # The router service (what readiness probes ask for) is SERVING only once a worker answered with its
+        # tokenizer: before that every API call is a 503. "" (liveness) is SERVING from the start.
+        health, grpc_port = await start_serving(server, SERVICE_NAME, add, config.host, config.grpc_port, config.tls,
+                                                service_ready=pool.ready)  # fmt: skip
         if config.health_port is not None:
             health_server = await start_health_server(health, config.host, config.health_port)
         await runner.setup()
@@ -122,8 +129,15 @@ async def start_router(config: RouterConfig) -> RouterApp:
     log.info("router: gRPC%s on %s:%d, OpenAI HTTP on %s://%s:%d/v1%s, workers %s",
              " (TLS)" if config.tls.enabled else "", config.host, grpc_port, scheme, config.host, http_port,
              " (API keys required)" if config.api_keys else "", list(pool.workers))  # fmt: skip
+    readiness = None if pool.ready else asyncio.create_task(_serving_when_ready(pool, health))
     return RouterApp(config, pool, dispatcher, frontend, server, health, runner, grpc_port, http_port, shared,
-                     health_server)  # fmt: skip
+                     health_server, readiness)  # fmt: skip
+
+
+async def _serving_when_ready(pool: WorkerPool, health: HealthServicer) -> None:
+    await pool.wait_ready(None)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    log.info("router: ready (a worker answered)")
 
 
 async def serve_until_signal(config: RouterConfig, grace: float = 10.0) -> None:

@@ -69,10 +69,14 @@ class WorkerPool:
         await self._poll_all()
         self._tasks = [asyncio.create_task(self._discovery_loop()), asyncio.create_task(self._poll_loop())]
 
-    async def wait_ready(self, timeout: float) -> bool:
-        """True once one worker answered and the tokenizer is known."""
+    async def wait_ready(self, timeout: float | None) -> bool:
+        """True once one worker answered (healthy) and the tokenizer is known; None waits as long as it takes."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), timeout)
+        return self._ready.is_set()
+
+    @property
+    def ready(self) -> bool:
         return self._ready.is_set()
 
     def routable(self) -> list[Worker]:
@@ -148,7 +152,10 @@ class WorkerPool:
     async def _poll_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
-            await self._poll_all()
+            try:
+                await self._poll_all()
+            except Exception:  # e.g. a tokenizer that does not load: log it, keep polling the others
+                log.exception("worker poll failed")
 
     async def _poll_all(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
@@ -158,8 +165,11 @@ class WorkerPool:
         try:
             stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout)
             if worker.info is None:
-                worker.info = await worker.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=timeout)
-                await self._adopt_tokenizer(worker, timeout)
+                info = await worker.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=timeout)
+                # info is recorded only once the tokenizer is adopted: a worker whose GetTokenizer failed is asked
+                # again at the next poll instead of turning healthy while the pool still has no tokenizer
+                await self._adopt_tokenizer(worker, info, timeout)
+                worker.info = info
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy and await self._serving(worker):
                 return  # busy, not sick: its health service answers; the last stats stand
@@ -174,6 +184,8 @@ class WorkerPool:
             log.info("worker %s healthy", worker.address)
             worker.healthy = True
             self.on_change()
+        if self.tokenizer is not None and not worker.excluded:
+            self._ready.set()  # after `healthy`: whoever waits for ready finds a routable worker
 
     async def _serving(self, worker: Worker) -> bool:
         try:
@@ -184,18 +196,16 @@ class WorkerPool:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
-    async def _adopt_tokenizer(self, worker: Worker, timeout: float) -> None:
-        assert worker.info is not None
+    async def _adopt_tokenizer(self, worker: Worker, info: worker_pb2.ModelInfo, timeout: float) -> None:
         if self.tokenizer is None:
             files = await worker.stub.GetTokenizer(worker_pb2.GetTokenizerRequest(), timeout=timeout * 10)
             self.tokenizer = Tokenizer.from_files(files.tokenizer_json, files.tokenizer_config_json, worker.address)
-            self.model_info = worker.info
-            self._ready.set()
-            log.info("serving %s (tokenizer %s...) from %s", worker.info.served_model_name,
+            self.model_info = info
+            log.info("serving %s (tokenizer %s...) from %s", info.served_model_name,
                      self.tokenizer.fingerprint[:12], worker.address)  # fmt: skip
-        elif worker.info.tokenizer_fingerprint != self.tokenizer.fingerprint:
+        elif info.tokenizer_fingerprint != self.tokenizer.fingerprint:
             worker.excluded = (
-                f"tokenizer fingerprint {worker.info.tokenizer_fingerprint[:12]}... differs from the pool's "
+                f"tokenizer fingerprint {info.tokenizer_fingerprint[:12]}... differs from the pool's "
                 f"{self.tokenizer.fingerprint[:12]}..."
             )
             log.error("worker %s excluded: %s", worker.address, worker.excluded)
