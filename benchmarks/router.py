@@ -4,6 +4,7 @@
     python -m benchmarks.router throughput [--seconds 10] [--step-ms 0] [--stream-interval 0]   streamed requests/s
     python -m benchmarks.router sm4        [--mib 64]          SM4-GCM envelope path vs the raw cipher
     python -m benchmarks.router batching   [--requests 400]    token-budget batching vs a fixed 100 ms window
+    python -m benchmarks.router stream     [--tokens 2000] [--step-ms 2]   one user's long stream: router CPU per token
 
 Latency and throughput isolate the router: the worker is tests/helpers/scripted_worker.py (the real Worker
 gRPC API streaming fixed text, 16 one-token chunks per request: all at once by default, or one per request every
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import subprocess
@@ -114,7 +116,7 @@ class Stack:
             self.targets["bare relay"] = f"127.0.0.1:{port}"
             self.pids["bare relay"] = relay.pid
             wait_serving(self.targets["bare relay"], proc=relay)
-        router_proc, router, _ = start_router([worker], *router_flags)
+        router_proc, router, self.http_base = start_router([worker], *router_flags)
         self.procs.append(router_proc)
         self.targets["router"] = router
         self.pids["router"] = router_proc.pid
@@ -211,6 +213,56 @@ def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float, st
             print(f"{kind:<12}{rate:8.0f}{rate / direct:9.2f}x{worker_ms:19.2f}{hop}{msgs:10.1f}")
 
     with_stack(go, step_ms=step_ms)
+
+
+def stream(tokens: int, step_ms: float, rounds: int) -> None:
+    """One user: a stream of `tokens` tokens, one every `step_ms` (a decode step's clock), through the router's
+    gRPC API and through its HTTP API (SSE, what an OpenAI client reads), alternating. What one token costs the
+    router in CPU is what it takes from the engine on a host with few cores (docs/benchmarks.md n)."""
+    import http.client
+    import json
+
+    def grpc_stream(target: str) -> tuple[int, list[float]]:
+        request = worker_pb2.GenerateRequest(prompt_token_ids=list(range(10, 26)),
+                                             sampling=sampling(max_new_tokens=tokens))  # fmt: skip
+        with grpc.insecure_channel(target) as ch:
+            call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.RouterGenerateRequest(request=request))
+            arrivals = [time.perf_counter() for r in call if r.response.token_ids]
+        return len(arrivals), arrivals
+
+    def sse_stream(base: str) -> tuple[int, list[float]]:
+        host, _, port = base.removeprefix("http://").removesuffix("/v1").partition(":")
+        body = json.dumps({"model": "glm5-scripted", "prompt": "x", "max_tokens": tokens, "stream": True})
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        arrivals = [time.perf_counter() for line in resp if line.startswith(b"data: {")]
+        conn.close()
+        return len(arrivals), arrivals
+
+    async def go(stack: Stack) -> None:
+        paths = {"router gRPC": lambda: grpc_stream(stack.targets["router"]),
+                 "router HTTP SSE": lambda: sse_stream(stack.http_base)}  # fmt: skip
+        for fn in paths.values():
+            fn()  # warm up
+        got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in paths}
+        for _ in range(rounds):
+            for kind, fn in paths.items():
+                router0, worker0 = _cpu_seconds(stack.pids["router"]), _cpu_seconds(stack.pids["direct"])
+                n, arrivals = await asyncio.to_thread(fn)
+                router_us = (_cpu_seconds(stack.pids["router"]) - router0) * 1e6 / n
+                worker_us = (_cpu_seconds(stack.pids["direct"]) - worker0) * 1e6 / n
+                gaps = [(b - a) * 1000 for a, b in itertools.pairwise(arrivals)]
+                got[kind].append((router_us, worker_us, statistics.median(gaps)))
+        print(f"one stream of {tokens} tokens, one every {step_ms:g} ms (scripted worker), {rounds} alternating "
+              f"rounds; medians")  # fmt: skip
+        print(f"{'path':<18}{'router CPU us/token':>21}{'worker CPU us/token':>21}{'gap p50 ms':>12}")
+        for kind, rows in got.items():
+            r, w, g = (statistics.median(x[i] for x in rows) for i in range(3))
+            print(f"{kind:<18}{r:21.0f}{w:21.0f}{g:12.2f}")
+
+    with_stack(go, bare=False, step_ms=step_ms)
 
 
 def sm4(mib: int, chunk_kib: int) -> None:
@@ -322,11 +374,17 @@ if __name__ == "__main__":
     p = sub.add_parser("batching")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--rate", type=float, default=50)
+    p = sub.add_parser("stream")
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--step-ms", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=5)
     a = parser.parse_args()
     if a.what == "latency":
         latency(a.requests, a.repeats)
     elif a.what == "throughput":
         throughput(a.seconds, a.concurrency, a.rounds, a.step_ms, a.stream_interval)
+    elif a.what == "stream":
+        stream(a.tokens, a.step_ms, a.rounds)
     elif a.what == "sm4":
         sm4(a.mib, a.chunk_kib)
     else:

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from glm5.grpc_env import default_grpc_experiments
 
+# the gRPC I/O path the glm5 command uses (glm5_cli/__init__.py), for the servers and clients tests run in-process
+default_grpc_experiments()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # Engines (and the workers the tests start) run eagerly: compiling each one's decode steps would cost minutes.
 # tests/unit/worker/test_compiled_decode.py asks for compiled steps explicitly.
