@@ -95,3 +95,26 @@ def test_a_batch_stays_far_below_the_message_limit() -> None:
     assert len(batches) >= 3
     assert max(b.ByteSize() for b in batches) <= BATCH_BYTES + len(chunk) + 1024 < MESSAGE_LIMIT
     assert "".join(e.response.text for b in batches for e in b.responses) == chunk * 10
+
+
+def test_the_glm5_command_sets_grpc_io_defaults_before_grpc_loads_and_a_user_setting_wins() -> None:
+    """grpc reads GRPC_EXPERIMENTS when it is imported: importing glm5_cli sets it first (the iomgr poller,
+    docs/benchmarks.md n), without importing grpc on the way; a value the user set, even empty, is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from glm5.grpc_env import IOMGR_EXPERIMENTS
+
+    probe = "import sys, os; import glm5_cli; print('grpc' in sys.modules, repr(os.environ.get('GRPC_EXPERIMENTS')))"
+    probe_before = "import sys, os, glm5.grpc_env; print('grpc' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+
+    def run(code: str, extra: dict[str, str]) -> str:
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    assert run(probe_before, {}) == "False"  # setting the default never loads grpc first
+    assert run(probe, {}).endswith(repr(IOMGR_EXPERIMENTS))
+    assert run(probe, {"GRPC_EXPERIMENTS": ""}).endswith("''")
+    assert run(probe, {"GRPC_EXPERIMENTS": "-event_engine_client"}).endswith("'-event_engine_client'")
