@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.helpers.procs import start_router, start_scripted_worker, stop
+from tests.helpers.procs import start_router, start_scripted_worker, stop, wait_serving
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -379,10 +379,7 @@ def test_router_is_ready_only_once_a_worker_answered_with_its_tokenizer(tmp_path
             assert code == 503 and "no worker" in body["error"]["message"]
 
             control.write_text("{}")
-            deadline = time.monotonic() + 20
-            while status(service) != health_pb2.HealthCheckResponse.SERVING:
-                assert time.monotonic() < deadline, "the router never turned ready"
-                time.sleep(0.1)
+            wait_serving(grpc_target, timeout=20, proc=router, service=service)
             # ready means routable: the first request after it is answered
             code, body, _ = _post(base + "/completions", {"prompt": "x", "max_tokens": 2})
             assert code == 200 and body["choices"][0]["text"] == " token" * 2
