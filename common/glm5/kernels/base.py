@@ -8,7 +8,7 @@ import torch
 
 
 class AttentionOutput(NamedTuple):
-    out: torch.Tensor  # (n, H, C) latent-space attention output
+    out: torch.Tensor  # (n, H, C) latent-space attention output; (n, H, V) from dense_mha
     entropy: torch.Tensor | None  # mean attention entropy in nats (a 0-d float32 tensor), when asked for
 
 
@@ -40,6 +40,16 @@ class DSAKernels(Protocol):
         q_lat: torch.Tensor,
         q_rope: torch.Tensor,
         kv: torch.Tensor,
+        valid: torch.Tensor,
+        scale: float,
+        want_entropy: bool = False,
+    ) -> AttentionOutput: ...
+
+    def dense_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         valid: torch.Tensor,
         scale: float,
         want_entropy: bool = False,

@@ -139,6 +139,25 @@ class PortableKernels:
         out = (probs.to(q_lat.dtype).view(n * h, -1) @ kv[:, :c]).view(n, h, c)
         return AttentionOutput(out, _entropy(probs) if want_entropy else None)
 
+    def dense_mha(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor,
+        scale: float,
+        want_entropy: bool = False,
+    ) -> AttentionOutput:
+        """Multi-head attention over one shared context (MLA's expanded form, for prefill): q (n, H, Dk),
+        k (T, H, Dk), v (T, H, Dv), valid (n, T) -> (n, H, Dv). Every row needs a valid key."""
+        qh = (q * scale).transpose(0, 1)  # (H, n, Dk)
+        scores = _bmm(qh, k.permute(1, 2, 0))  # (H, n, T)
+        if not bool(valid.all()):
+            scores.masked_fill_(~valid, float("-inf"))
+        probs = _softmax32(scores)
+        out = _bmm(probs.to(v.dtype), v.transpose(0, 1))  # (H, n, Dv)
+        return AttentionOutput(out.transpose(0, 1), _entropy(probs) if want_entropy else None)
+
 
 _SCORE_CHUNK = 16384
 # Fused dense attention (PyTorch's CPU flash kernel) pays off when the (n, H, T) score matrix costs more memory

@@ -33,6 +33,10 @@ SCRATCH_ELEMENTS = 1 << 21
 # Queries per dense-attention call in a prefill chunk: smaller tiles leave out more of the causally masked
 # context (a 1024-token chunk in tiles of 128 computes ~56% of its full score matrix).
 SHARED_TILE_ROWS = 128
+# Elements of one tile of prefill index scores (queries x indexer heads x context): the product and the relu and
+# weighted sum that reread it run faster on a tile that stays in cache (a 1K-token chunk, 8 heads: 6.2 ms in
+# 131-row tiles vs 10.4 ms in 262-row ones).
+INDEX_TILE_ELEMENTS = 1 << 20
 
 
 @dataclass(slots=True)
@@ -60,6 +64,7 @@ class DSAControls:
     # decode contexts at least this long score indexer keys in place, run by run, instead of gathering them
     paged_scoring_min_tokens: int = 8192
     # prefill chunks whose context is at most this many times top-k attend through a mask over the context
+    # (in the absorbed form; the expanded form widens it by MLAttention.expanded_mask_gain)
     prefill_dense_ratio: float = 4.0
 
 
@@ -190,72 +195,149 @@ class MLAttention(nn.Module):
             raise ValueError(f"layer {self.layer_idx} shares top-k but no full indexer layer precedes it")
 
         w_kv_b = self._w_kv_b(q_nope.dtype)
-        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kv_b[:, : self.nope_dim])  # (N, H, C)
         topk = batch.layer_topk[self.layer_idx] if batch.layer_topk else self.index_topk
         selector = _Selector(self, cache, kernels, controls, topk, index, batch)
-        out_lat = q_lat.new_empty(n, self.num_heads, self.kv_lora_rank)
         entropies: list[torch.Tensor] = []
+        parts: list[torch.Tensor] = []  # (rows, H, V) per group, in row order: decode rows, then each chunk
 
         decode_pick: Picked | None = None
         if batch.decode is not None:
             d = batch.decode.num_seqs
             decode_pick = prev.decode if prev is not None and index is None else selector.decode()
             assert decode_pick is not None
-            self._attend(decode_pick, q_lat[:d], q_rope[:d], out_lat, 0, cache, kernels, batch, entropies)
+            parts.append(self._absorbed(decode_pick, q_nope[:d], q_rope[:d], w_kv_b, cache, kernels, batch, entropies))
         prefill_picks: list[Picked] = []
         for i, chunk in enumerate(batch.prefills):
             pick = prev.prefills[i] if prev is not None and index is None else selector.prefill(i)
             prefill_picks.append(pick)
             rows = slice(chunk.start, chunk.start + chunk.length)
-            self._attend(pick, q_lat[rows], q_rope[rows], out_lat, chunk.start, cache, kernels, batch, entropies)
+            expanded = pick.shared and self.expanded_pays(chunk.length, pick.valid.shape[1])
+            attend = self._expanded if expanded else self._absorbed
+            parts.append(attend(pick, q_nope[rows], q_rope[rows], w_kv_b, cache, kernels, batch, entropies))
         if entropies:
             batch.entropy[self.layer_idx] = torch.stack(entropies).mean()
 
-        out = torch.einsum("nhc,hvc->nhv", out_lat, w_kv_b[:, self.nope_dim :])  # (N, H, V)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, H, V)
         return self.o_proj(out.reshape(n, self.num_heads * self.v_dim)), LayerSelection(decode_pick, prefill_picks)
+
+    def expanded_pays(self, n: int, t: int) -> bool:
+        """Whether n queries over a shared context of t tokens cost fewer multiply-adds in the expanded form
+        (_expanded) than in the absorbed one (_absorbed), per head: expanding costs T * C * (nope + v) once, then
+        each query-key pair costs nope + R + v instead of 2C + R, and the absorbed form's per-query products
+        with W_uk and W_uv (C * (nope + v)) go away. Prefill chunks of more than a few dozen tokens pay (GLM-5's
+        shapes: ~300 at a 1K context); single tokens and short chunks over long contexts do not."""
+        c, nope, v, r = self.kv_lora_rank, self.nope_dim, self.v_dim, self.rope_dim
+        expanded = t * c * (nope + v) + n * t * (nope + r + v)
+        absorbed = n * t * (2 * c + r) + n * c * (nope + v)
+        return expanded < absorbed
+
+    def expanded_mask_gain(self) -> float:
+        """How much wider a context the mask path may cover in the expanded form than in the absorbed one: a
+        query-key pair costs nope + R + v multiply-adds there instead of 2C + R; the mask and softmax passes,
+        which cost the same per pair in both forms, take about half of that gain (tiny-dsa64, 2K-6K-token
+        prompts: the mask path up to 16x top-k was the fastest, against 4x in the absorbed form)."""
+        pair = self.nope_dim + self.rope_dim + self.v_dim
+        return max(1.0, (2 * self.kv_lora_rank + self.rope_dim) / pair / 2)
+
+    def _absorbed(
+        self,
+        pick: Picked,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        w_kv_b: torch.Tensor,
+        cache: PagedKVStorage,
+        kernels: DSAKernels,
+        batch: ForwardBatch,
+        entropies: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Attention in the absorbed form (queries moved into the latent space, the cache read as it is):
+        (n, H, nope), (n, H, R) -> (n, H, V)."""
+        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_kv_b[:, : self.nope_dim])  # (n, H, C)
+        out_lat = self._attend(pick, q_lat, q_rope, cache, kernels, batch, entropies)
+        return torch.einsum("nhc,hvc->nhv", out_lat, w_kv_b[:, self.nope_dim :])
+
+    def _expanded(
+        self,
+        pick: Picked,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        w_kv_b: torch.Tensor,
+        cache: PagedKVStorage,
+        kernels: DSAKernels,
+        batch: ForwardBatch,
+        entropies: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Attention over a shared context in the expanded form: the context's latents are multiplied out to
+        per-head keys and values once (kv_b_proj), then it is ordinary attention with head dims nope + R and V
+        (what vLLM's MLA backends do for prefill; the absorbed form is the decode one). (n, H, nope), (n, H, R)
+        -> (n, H, V). Heads go in groups whose keys and values fit the scratch bound."""
+        kv = cache.gather_kv(self.layer_idx, pick.slots, q_nope.dtype)  # (T, C + R)
+        n, t = pick.valid.shape
+        heads, c, nope = self.num_heads, self.kv_lora_rank, self.nope_dim
+        latent, k_rope = kv[:, :c], kv[:, None, c:]
+        q = torch.cat([q_nope, q_rope], dim=-1)  # (n, H, nope + R)
+        group = max(1, min(heads, SCRATCH_ELEMENTS // max(1, t * (nope + self.rope_dim + self.v_dim))))
+        tile = max(1, min(SHARED_TILE_ROWS, SCRATCH_ELEMENTS // (group * t)))
+        want = batch.collect_entropy
+        out = q.new_empty(n, heads, self.v_dim)
+        for h0 in range(0, heads, group):
+            h1 = min(heads, h0 + group)
+            up = (latent @ w_kv_b[h0:h1].reshape(-1, c).T).view(t, h1 - h0, -1)  # (T, g, nope + V)
+            k = torch.cat([up[..., :nope], k_rope.expand(t, h1 - h0, self.rope_dim)], dim=-1)
+            v = up[..., nope:]
+            for s in range(0, n, tile):
+                e = min(n, s + tile)
+                cut = t - n + e  # causal: nothing past the tile's last row is visible to any of its rows
+                res = kernels.dense_mha(q[s:e, h0:h1], k[:cut], v[:cut], pick.valid[s:e, :cut], self.scale, want)
+                out[s:e, h0:h1] = res.out
+                if res.entropy is not None:
+                    entropies.append(res.entropy)
+        return out
 
     def _attend(
         self,
         pick: Picked,
         q_lat: torch.Tensor,
         q_rope: torch.Tensor,
-        out: torch.Tensor,
-        row0: int,
         cache: PagedKVStorage,
         kernels: DSAKernels,
         batch: ForwardBatch,
         entropies: list[torch.Tensor],
-    ) -> None:
+    ) -> torch.Tensor:
+        """Absorbed-form attention of the n queries over their picks: (n, H, C) latent output."""
         want = batch.collect_entropy
+        n = q_lat.shape[0]
         if pick.shared:
             kv = cache.gather_kv(self.layer_idx, pick.slots, q_lat.dtype)  # (T, C + R)
-            n, t = pick.valid.shape
+            t = pick.valid.shape[1]
+            out = q_lat.new_empty(n, self.num_heads, self.kv_lora_rank)
             tile = max(1, min(SHARED_TILE_ROWS, SCRATCH_ELEMENTS // (self.num_heads * t)))
             for s in range(0, n, tile):
                 e = min(n, s + tile)
                 cut = t - n + e  # causal: nothing past the tile's last row is visible to any of its rows
                 res = kernels.dense_mla(q_lat[s:e], q_rope[s:e], kv[:cut], pick.valid[s:e, :cut], self.scale, want)
-                out[row0 + s : row0 + e] = res.out
+                out[s:e] = res.out
                 if res.entropy is not None:
                     entropies.append(res.entropy)
-            return
-        n, k = pick.slots.shape
+            return out
+        k = pick.slots.shape[1]
         if compiling():
             # a compiled step takes its (bounded) batch in one piece: a loop would fix the batch size in its graph
             kv = cache.gather_kv(self.layer_idx, pick.slots, q_lat.dtype)
             res = kernels.sparse_mla(q_lat, q_rope, kv, pick.valid, self.scale, want)
-            out[row0 : row0 + n] = res.out
             if res.entropy is not None:
                 entropies.append(res.entropy)
-            return
+            return res.out
+        out = q_lat.new_empty(n, self.num_heads, self.kv_lora_rank)
         tile = max(1, SCRATCH_ELEMENTS // max(1, k * cache.layout.kv_dim))
         for s in range(0, n, tile):
             e = min(n, s + tile)
             kv = cache.gather_kv(self.layer_idx, pick.slots[s:e], q_lat.dtype)  # (t, k, C + R)
             res = kernels.sparse_mla(q_lat[s:e], q_rope[s:e], kv, pick.valid[s:e], self.scale, want)
-            out[row0 + s : row0 + e] = res.out
+            out[s:e] = res.out
             if res.entropy is not None:
                 entropies.append(res.entropy)
+        return out
 
 
 class _Selector:
@@ -363,7 +445,7 @@ class _Selector:
         iq, iw = self.index
         keys = self.cache.gather_index(self.attn.index_layer, slots, torch.float32)  # (T, Di)
         heads = iq.shape[1]
-        tile = max(1, SCRATCH_ELEMENTS // (heads * t))
+        tile = max(1, INDEX_TILE_ELEMENTS // (heads * t))
         width = min(self.warmup, t)
         in_warmup = qpos < self.warmup
         kk = min(t, max(self.topk, width))  # what _top picks per row
@@ -376,13 +458,17 @@ class _Selector:
                 picks_valid.append(causal[s:e, :kk])
                 continue
             rows = slice(chunk.start + s, chunk.start + e)
-            scores = self._scores(iq[None, rows], iw[None, rows], keys[None])[0]  # (t, T)
-            scores = scores.masked_fill(~causal[s:e], float("-inf"))
+            # causal: keys past the tile's last row are not scored (up to kk, so that top-k has its width);
+            # the picks index the context from its start either way
+            cut = min(t, max(t - n + e, kk))
+            scores = self._scores(iq[None, rows], iw[None, rows], keys[None, :cut])[0]  # (t, cut)
+            scores = scores.masked_fill(~causal[s:e, :cut], float("-inf"))
             idx, valid = self._top(scores, in_warmup[s:e], width, bool(in_warmup[s:e].any()))
             picks_idx.append(idx)
             picks_valid.append(valid)
         idx, valid = torch.cat(picks_idx), torch.cat(picks_valid)
-        if t <= self.dense_ratio * idx.shape[1]:
+        ratio = self.dense_ratio * (self.attn.expanded_mask_gain() if self.attn.expanded_pays(n, t) else 1.0)
+        if t <= ratio * idx.shape[1]:
             # short contexts: one product over the context with the picks as a mask beats gathering k rows
             # per query (n * k rows instead of T); the result is the same
             mask = torch.zeros(n, t, dtype=torch.bool, device=idx.device).scatter_(1, idx, valid)

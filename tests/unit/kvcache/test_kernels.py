@@ -87,3 +87,30 @@ def test_dense_attention_matches_the_reference_on_both_paths() -> None:
             assert got.out.shape == (n, h, c)
             assert torch.allclose(got.out.double(), ref, atol=1e-5), (n, width, want_entropy)
             assert (got.entropy is not None) == want_entropy
+
+
+def test_expanded_attention_matches_the_reference() -> None:
+    """dense_mha (MLA's expanded form, per-head keys and values) against masked softmax attention in float64,
+    with key and value widths that differ as MLA's do (nope + rope vs v)."""
+    g = torch.Generator().manual_seed(1)
+    n, t, h, dk, dv = 24, 90, 4, 48, 32
+    q, k = torch.randn(n, h, dk, generator=g), torch.randn(t, h, dk, generator=g)
+    v = torch.randn(t, h, dv, generator=g)
+    qpos = torch.arange(t - n, t)
+    valid = (torch.arange(t)[None] <= qpos[:, None]) & (torch.rand(n, t, generator=g) < 0.5)
+    valid[torch.arange(n), qpos] = True
+    scores = torch.einsum("nhd,thd->nht", q.double() * 0.2, k.double()).masked_fill(~valid[:, None], float("-inf"))
+    probs = scores.softmax(-1)
+    ref = torch.einsum("nht,thv->nhv", probs, v.double())
+    ref_entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()
+    for want_entropy in (False, True):
+        got = K.dense_mha(q, k, v, valid, 0.2, want_entropy)
+        assert got.out.shape == (n, h, dv)
+        assert torch.allclose(got.out.double(), ref, atol=1e-5)
+        assert (got.entropy is None) != want_entropy
+        if got.entropy is not None:
+            assert abs(float(got.entropy) - float(ref_entropy)) < 1e-5
+    # half precision on the CPU takes the loop of 2-D products: the same result within bfloat16's precision
+    got16 = K.dense_mha(q.bfloat16(), k.bfloat16(), v.bfloat16(), valid, 0.2).out
+    assert got16.dtype == torch.bfloat16
+    assert (got16.double() - ref).abs().max() < 0.05

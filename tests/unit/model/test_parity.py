@@ -113,7 +113,47 @@ def test_small_tiles_give_the_same_logits(pair, monkeypatch: pytest.MonkeyPatch)
     from glm5.model import attention
 
     _, ours, ids, ref, _ = pair
-    monkeypatch.setattr(attention, "SCRATCH_ELEMENTS", 1)  # one query per selection tile
+    monkeypatch.setattr(attention, "SCRATCH_ELEMENTS", 1)
+    monkeypatch.setattr(attention, "INDEX_TILE_ELEMENTS", 1)  # one query per selection tile
     monkeypatch.setattr(attention, "SHARED_TILE_ROWS", 3)
     logits = SimpleRunner(ours, ids.shape[1]).prefill(ids[0])
     assert (logits - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+def test_both_attention_forms_of_a_masked_prefill_match(pair, monkeypatch: pytest.MonkeyPatch, expanded: bool) -> None:
+    """A prefill through the mask path (the picks as a mask over the whole context), in MLA's expanded form
+    (per-head keys and values multiplied out of the latents) and in the absorbed one: both give the reference's
+    logits."""
+    from glm5.model.attention import MLAttention
+
+    _, ours, ids, ref, _ = pair
+    monkeypatch.setattr(MLAttention, "expanded_pays", lambda self, n, t: expanded)
+    runner = SimpleRunner(ours, ids.shape[1])
+    runner.controls.prefill_dense_ratio = 1e9  # every chunk through the mask path
+    calls = {"dense_mha": 0, "dense_mla": 0}
+    for name in calls:
+        inner = getattr(runner.kernels, name)
+
+        def counted(*args, _inner=inner, _name=name, **kwargs):
+            calls[_name] += 1
+            return _inner(*args, **kwargs)
+
+        monkeypatch.setattr(runner.kernels, name, counted)
+    logits = runner.prefill(ids[0])
+    assert (logits - ref).abs().max().item() <= 1e-4
+    assert (calls["dense_mha"] > 0, calls["dense_mla"] > 0) == (expanded, not expanded)
+
+
+def test_the_expanded_form_is_taken_where_it_costs_less() -> None:
+    """Prefill chunks of many tokens take the expanded form, a few tokens over a long context the absorbed one
+    (GLM-5's attention shapes: 64 heads, kv_lora_rank 512, nope 192, rope 64, v 256)."""
+    from glm5.model.attention import MLAttention
+
+    attn = MLAttention.__new__(MLAttention)
+    attn.kv_lora_rank, attn.nope_dim, attn.rope_dim, attn.v_dim = 512, 192, 64, 256
+
+    assert attn.expanded_pays(1024, 1024) and attn.expanded_pays(2048, 4096)
+    assert not attn.expanded_pays(1, 4096) and not attn.expanded_pays(16, 1024)
+    # a pair costs 512 multiply-adds expanded vs 1,088 absorbed: the mask path may cover ~1.06x the context
+    assert 1.0 < attn.expanded_mask_gain() < 1.1
