@@ -8,14 +8,16 @@ Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 
                                            [--serve] [--profile] [--llama-bench PATH --gguf FILE]
                                            [--users 8 [--llama-server PATH --gguf FILE]]
 
-- offline: per-step wall time of `Engine.step()` for the decode steps (the prefill step is timed apart), with
-  the decode steps compiled (as `glm5 worker` runs by default) and eager (--enforce-eager), runs interleaved;
+- offline: per-step wall time of `Engine.step()` for the decode steps (the prefill step is timed apart: its
+  tokens/s, no prefix cache), with the decode steps compiled (as `glm5 worker` runs by default) and eager
+  (--enforce-eager), runs interleaved;
 - --serve: `glm5 serve` on the same checkpoint; a streamed /v1/completions with the same token ids; the gaps
   between SSE chunks as the client reads them (its time between tokens) and the time to the first one;
 - --profile: one more offline run with the compiled step's phases timed (nested, so a part's time includes the
   parts inside it) and the ATen ops one eager decode step dispatches;
-- --llama-bench PATH --gguf FILE: llama.cpp's `llama-bench -p 0 -n NEW -d CONTEXT` on the same weights converted
-  to GGUF (docs/benchmarks.md says how), once per run right after our engines' runs, and the ratio run by run
+- --llama-bench PATH --gguf FILE: llama.cpp's `llama-bench -p 0 -n NEW -d CONTEXT` (and `-p CONTEXT -n 0`, its
+  prefill) on the same weights converted to GGUF (docs/benchmarks.md says how), once per run right after our
+  engines' runs, and the ratio run by run
   (this machine's speed drifts by more than the gap between the two within minutes);
 - --users N: N users at once through `glm5 serve` (streamed /v1/completions, a different CONTEXT-token prompt
   each, fresh prompts every run so no prefix cache helps): output tokens/s over the run, time to first token,
@@ -62,8 +64,9 @@ def context_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
 def new_engine(model: Path, eager: bool = False, fused: bool = True) -> Engine:
     """The engine as `glm5 worker` runs it: decode steps compiled at start-up unless `eager`; `fused=False`: the
     attention's input projections left as separate products (the baseline of --unfused)."""
+    # no prefix cache: every run's prompt is prefilled (its tokens/s is reported), not found cached
     config = EngineConfig(model=str(model), max_model_len=4096, kv_cache_bytes=256 << 20, kv_int8_tier=False,
-                          enforce_eager=eager)  # fmt: skip
+                          enforce_eager=eager, enable_prefix_caching=False)  # fmt: skip
     if fused:
         return Engine(config)
     fuse = GlmMoeDsaForCausalLM.fuse_input_projections
@@ -346,12 +349,16 @@ def llama_server(path: str, gguf: str, n: int, context: int, new: int, threads: 
         yield f"127.0.0.1:{port}"
 
 
-def llama_bench(path: str, gguf: str, context: int, new: int, threads: int) -> float:
-    """llama.cpp's generation speed (tokens/s) after `context` tokens."""
-    out = subprocess.run([path, "-m", gguf, "-p", "0", "-n", str(new), "-d", str(context), "-t", str(threads),
-                          "-o", "json"], capture_output=True, text=True, check=True, timeout=1800)  # fmt: skip
-    rows = json.loads(out.stdout)
-    return float(rows[0]["avg_ts"])
+def llama_bench(path: str, gguf: str, context: int, new: int, threads: int) -> tuple[float, float]:
+    """llama.cpp's prompt processing speed over a `context`-token prompt and its generation speed after
+    `context` tokens (tokens/s each)."""
+
+    def tokens_per_s(*args: str) -> float:
+        out = subprocess.run([path, "-m", gguf, *args, "-t", str(threads), "-o", "json"], capture_output=True,
+                             text=True, check=True, timeout=1800)  # fmt: skip
+        return float(json.loads(out.stdout)[0]["avg_ts"])
+
+    return tokens_per_s("-p", str(context), "-n", "0"), tokens_per_s("-p", "0", "-n", str(new), "-d", str(context))
 
 
 # -- report ----------------------------------------------------------------------------------------------------
@@ -399,23 +406,30 @@ def main() -> None:
         # per run, back to back: our compiled engine's median ms/token and llama.cpp's (--llama-bench)
         ours_runs: list[float] = []
         llama_runs: list[float] = []
+        prefills: dict[str, list[float]] = collections.defaultdict(list)  # tokens/s per run
         for run in range(a.runs):
             for name, e in engines.items():  # interleaved, so drift hits both alike
                 prefill, steps = offline(e, ids, a.new, f"r{run}")
                 per[name] += steps
+                prefills[name].append(a.context / prefill)
                 print(f"| {name} | {run + 1} | {a.context / prefill:,.0f} | {ms(steps):.2f} | {ms(steps, 0.9):.2f} | "
                       f"{1000 / ms(steps):.0f} |")  # fmt: skip
                 if name == "compiled":
                     ours_runs.append(ms(steps))
             if a.llama_bench:
-                tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
+                pp, tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
                 llama_runs.append(1000 / tps)
-                print(f"| llama.cpp | {run + 1} | | {1000 / tps:.2f} (mean) | | {tps:.0f} |")
+                prefills["llama.cpp"].append(pp)
+                print(f"| llama.cpp | {run + 1} | {pp:,.0f} | {1000 / tps:.2f} (mean) | | {tps:.0f} |")
         all_steps = per["compiled"]
         offline_ms = ms(all_steps)
         print(f"\noffline median over runs: compiled {offline_ms:.2f} ms/token, eager {ms(per['eager']):.2f} "
               f"({ms(per['eager']) / offline_ms:.2f}x the compiled time)")  # fmt: skip
+        ours_pp = sorted(prefills["compiled"])[a.runs // 2]
+        print(f"prefill median over runs: {ours_pp:,.0f} tok/s (compiled engine; prefill steps run eagerly)")
         if a.llama_bench:
+            theirs_pp = sorted(prefills["llama.cpp"])[a.runs // 2]
+            print(f"llama.cpp prefill median: {theirs_pp:,.0f} tok/s; ours {ours_pp / theirs_pp:.2f}x")
             ratios = sorted(ours / theirs for ours, theirs in zip(ours_runs, llama_runs, strict=True))
             llama_ms = sorted(llama_runs)[len(llama_runs) // 2]
             print(f"llama.cpp median over runs: {llama_ms:.2f} ms/token; ours / llama.cpp, run by run: "
