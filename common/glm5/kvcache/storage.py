@@ -239,10 +239,3 @@ class PagedKVStorage:
             q_idx, s_idx = quantize_rows(self.fp_index[:, src])
             self.q_index[:, dst] = q_idx
             self.q_index_scale[:, dst] = s_idx
-
-    def copy_fp_block(self, src_block: int, dst_block: int) -> None:
-        """Copy-on-write of a shared partial L1 block."""
-        bs = self.layout.block_size
-        s, d = slice(src_block * bs, (src_block + 1) * bs), slice(dst_block * bs, (dst_block + 1) * bs)
-        self.fp_kv[:, d] = self.fp_kv[:, s]
-        self.fp_index[:, d] = self.fp_index[:, s]

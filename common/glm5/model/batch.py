@@ -47,7 +47,3 @@ class ForwardBatch:
     # collect per-layer sparse-attention entropy this step (costs a little; sampled by the engine)
     collect_entropy: bool = False
     entropy: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer, 0-d
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])

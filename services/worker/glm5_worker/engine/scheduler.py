@@ -25,10 +25,6 @@ class ScheduledStep:
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
