@@ -1,9 +1,10 @@
 """GLM-4.7 / GLM-5 tool calls: `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`.
 
-A registry built from the request's `tools` keys every tool by a signature fingerprint (name + parameter JSON
-schema). A call to an unknown tool, with arguments that do not validate against the schema, or (for
-shell-type tools) with a command the shell policy forbids, comes back as an error, never as a valid call.
-Argument values are kept verbatim when the schema says string; other values are JSON-decoded.
+A registry built from the request's `tools` keys every tool by its name (unique within a request) and gives it a
+signature fingerprint (name + parameter JSON schema). A call to an unknown tool, with arguments that do not
+validate against the schema, or (for shell-type tools) with a command the shell policy forbids, comes back as an
+error, never as a valid call. Argument values are kept verbatim when the schema says string; other values are
+JSON-decoded.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _argv_command(argv: list[str]) -> str:
 
 @dataclass
 class ToolRegistry:
-    tools: dict[str, Tool] = field(default_factory=dict)  # by name; the signature is checked on register
+    tools: dict[str, Tool] = field(default_factory=dict)  # by name; a name declared twice is refused
     policy: ShellPolicy = field(default_factory=ShellPolicy)
 
     @classmethod

@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
 MAX_BODY = 8 << 20  # a 200K-token prompt is ~1 MB of JSON; the body is held whole while it is parsed
-MAX_CHOICES = 64  # `n` x prompts: each choice is a request of its own on the workers
 SLOW_JSON_BYTES = 1 << 20  # bodies orjson refused are read again with json's parser only up to this size
 # JSON allows these raw inside strings, but line-splitting SSE clients (JavaScript, some Python) break on them
 LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
@@ -273,8 +272,8 @@ class OpenAIServer:
         base.return_prompt_logprobs = echo and base.return_logprobs
         inp = self._input(request, body, base)
         prompts = fields.prompts(body.get("prompt"))
-        if len(prompts) * n > MAX_CHOICES:
-            raise ApiError(400, f"prompt: {len(prompts)} prompts x n={n} choices is more than {MAX_CHOICES}",
+        if len(prompts) * n > fields.MAX_CHOICES:  # `n` x prompts, each a request of its own
+            raise ApiError(400, f"prompt: {len(prompts)} prompts x n={n} choices is more than {fields.MAX_CHOICES}",
                            "invalid_request_error", "prompt")  # fmt: skip
         inputs = []
         for k, prompt in enumerate(prompts):

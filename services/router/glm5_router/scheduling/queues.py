@@ -1,6 +1,6 @@
-"""Short and long queues. Short: prompts under --short-max-prompt-tokens, FIFO by arrival, served first;
-medium prompts are FIFO after them; long (from --long-min-prompt-tokens): ordered by estimated KV cost and
-paused while the workers report KV usage above --long-pause-kv-usage."""
+"""Three lanes. Short: prompts under --short-max-prompt-tokens, FIFO by arrival, served first; medium: FIFO
+after them; long (from --long-min-prompt-tokens): ordered by estimated KV cost and paused while the workers
+report KV usage above --long-pause-kv-usage."""
 
 from __future__ import annotations
 
