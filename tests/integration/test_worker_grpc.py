@@ -168,6 +168,34 @@ def test_model_info_and_stats(stub) -> None:
     assert len(stats.layers) == 4
 
 
+def test_a_full_kv_pool_preempts_and_reports_it(tiny_model: Path, tmp_path: Path) -> None:
+    """A pool of ~10 blocks of 16 tokens and three requests of ~120 tokens each: the newest sequences are
+    preempted and recomputed, every request still gets all its tokens, and GetStats counts the preemptions
+    (the router exports them as glm5_worker_preemptions_total)."""
+    log = tmp_path / "worker.log"
+    proc, target = start_worker(tiny_model, "--kv-cache-bytes", "256KiB", "--no-kv-int8-tier", "--max-model-len",
+                                "128", "--block-size", "16", log=log)  # fmt: skip
+
+    async def go() -> tuple[list[int], worker_pb2.WorkerStats]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+
+            async def one(i: int) -> int:
+                req = worker_pb2.GenerateRequest(prompt=f"request {i}: a b c d e f g h",
+                                                 sampling=sampling(max_new_tokens=100, ignore_eos=True))  # fmt: skip
+                return sum([len(r.token_ids) async for r in stub.Generate(req, timeout=120)])
+
+            counts = await asyncio.gather(*(one(i) for i in range(3)))
+            return list(counts), await stub.GetStats(worker_pb2.GetStatsRequest())
+
+    try:
+        counts, stats = asyncio.run(go())
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    assert counts == [100, 100, 100]
+    assert stats.preemptions_total > 0
+
+
 def test_cancelled_stream_frees_the_request(worker: str) -> None:
     async def go() -> worker_pb2.WorkerStats:
         async with grpc.aio.insecure_channel(worker) as channel:

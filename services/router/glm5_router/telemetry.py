@@ -89,16 +89,20 @@ class _LiveState(Collector):
             yield g
         tokens = CounterMetricFamily("glm5_worker_generated_tokens", "Tokens the worker process has generated",
                                      labels=["worker"])  # fmt: skip
+        preemptions = CounterMetricFamily("glm5_worker_preemptions", "Sequences the worker preempted (KV pool full)",
+                                          labels=["worker"])  # fmt: skip
         entropy = GaugeMetricFamily("glm5_worker_layer_attention_entropy", "Smoothed sparse-attention entropy (nats)",
                                     labels=["worker", "layer"])  # fmt: skip
         topk = GaugeMetricFamily("glm5_worker_layer_topk", "Top-k in use (the dynamic-sparsity controller widens it)",
                                  labels=["worker", "layer"])  # fmt: skip
         for address, stats in polled.items():
             tokens.add_metric([address], float(stats.generated_tokens_total))
+            preemptions.add_metric([address], float(stats.preemptions_total))
             for layer in stats.layers:
                 entropy.add_metric([address, str(layer.layer)], layer.attention_entropy)
                 topk.add_metric([address, str(layer.layer)], layer.topk)
         yield tokens
+        yield preemptions
         yield entropy
         yield topk
 

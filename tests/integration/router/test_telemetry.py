@@ -39,7 +39,7 @@ _install_provider()
 STATS = {
     "kv_usage": 0.25, "kv_fragmentation": 0.5, "kv_blocks_total": 64, "kv_blocks_free": 48,
     "attention_entropy_drift": 0.125, "token_latency_jitter_ms": 40.0, "mean_token_latency_ms": 12.0,
-    "num_waiting": 3, "weight_version": 7, "prefix_cache_hit_rate": 0.75,
+    "num_waiting": 3, "weight_version": 7, "prefix_cache_hit_rate": 0.75, "preemptions_total": 5,
     "layers": [{"layer": 0, "attention_entropy": 2.5, "topk": 256},
                {"layer": 2, "attention_entropy": 1.5, "topk": 384}],
 }  # fmt: skip
@@ -112,6 +112,7 @@ async def test_spans_and_metrics(router: tuple[RouterApp, str]) -> None:
     assert samples[("glm5_worker_requests_waiting", w)] == 3
     assert samples[("glm5_worker_weight_version", w)] == 7
     assert samples[("glm5_worker_prefix_cache_hit_ratio", w)] == 0.75
+    assert samples[("glm5_worker_preemptions_total", w)] == 5
     assert samples[key] > 0
     assert samples[("glm5_worker_layer_attention_entropy", (("layer", "2"), ("worker", worker)))] == 1.5
     assert samples[("glm5_worker_layer_topk", (("layer", "2"), ("worker", worker)))] == 384

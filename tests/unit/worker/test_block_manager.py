@@ -104,3 +104,20 @@ def test_fragmentation_is_share_of_free_blocks_outside_the_largest_run() -> None
     st = bm.stats()
     assert st.free_blocks == 4 and st.usage == 0.5
     assert st.fragmentation == 0.5  # runs {1}, {3,4}, {6}: largest 2 of 4
+
+
+def test_unmatch_gives_the_blocks_back_and_leaves_the_statistics_as_they_were() -> None:
+    bm = BlockManager(16, 0, 4, l1_tokens=0)
+    a = Seq(list(range(10)))
+    bm.match_prefix(a)
+    compute(bm, a, 10)
+    bm.free(a)  # its two full blocks stay cached
+    queries, hits = bm.prefix_queries, bm.prefix_hits
+    b = Seq(list(range(10)))
+    matched = bm.match_prefix(b)
+    assert matched == 8 and bm.prefix_hits == hits + 8
+    bm.unmatch(b, matched)
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert (bm.prefix_queries, bm.prefix_hits) == (queries, hits)
+    assert bm.num_free() == 16  # nothing referenced: the cached blocks are free to evict
+    assert bm.match_prefix(Seq(list(range(10)))) == 8  # and still cached

@@ -129,3 +129,27 @@ def test_abort_all_finishes_every_sequence_and_frees_the_pool() -> None:
     assert {s.request_id for s in aborted} == {"running", "waiting"}
     assert all(s.finish_reason == FinishReason.ABORT for s in aborted)
     assert not sched.has_work and blocks.num_free() == 8
+
+
+def test_preempted_sequences_waiting_on_each_other_do_not_hold_the_pool() -> None:
+    """Three sequences that outgrow a 9-block pool together: each preemption puts the victim at the front of the
+    queue, where it matches its own cached prefix. A waiting sequence that cannot be admitted gives those blocks
+    back; when the matches were kept, the three held the pool between them with nothing running, for good."""
+    blocks = BlockManager(9, 0, BLOCK * 4, l1_tokens=0)  # prefix caching on
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = [seq(f"s{i}", 20, 100 * i) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    steps = 0
+    while sched.has_work:
+        steps += 1
+        assert steps < 1000, (sched.num_preemptions, [len(s.output_ids) for s in seqs], len(sched.waiting))
+        step = sched.schedule()
+        assert not step.empty or not sched.has_work
+        run(step, blocks)
+        for s in [*sched.running]:
+            if len(s.output_ids) >= 100:
+                sched.remove(s)
+    assert sched.num_preemptions > 0 and all(len(s.output_ids) >= 100 for s in seqs)
+    # what waits holds nothing: every block is free or only cached
+    assert blocks.num_free() == 9

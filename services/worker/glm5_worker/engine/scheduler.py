@@ -53,7 +53,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.admitted = False
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -81,14 +80,17 @@ class Scheduler:
                     budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.admitted:
-                cached = self.blocks.match_prefix(seq) if not seq.params.prompt_logprobs else 0
-                if not seq.output_ids:
-                    seq.num_cached_prompt_tokens = cached
-                seq.admitted = True
+            # prompt logprobs need the logits of every prompt token: no cached prefix for them
+            matched = None if seq.params.prompt_logprobs else self.blocks.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.ensure_slots(seq, n):
+                # a waiting sequence holds no blocks: the prefix it matched goes back (still cached, matched
+                # again next step). Kept, the matches of preempted sequences queued in front of each other held
+                # the pool between them with nothing running, for good.
+                self.blocks.unmatch(seq, matched)
                 break
+            if not seq.output_ids:
+                seq.num_cached_prompt_tokens = matched or 0
             self.waiting.popleft()
             self.running.append(seq)
             step.prefills.append((seq, n))

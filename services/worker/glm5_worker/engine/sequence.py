@@ -82,7 +82,6 @@ class Sequence:
     pending_text: str = ""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
-    admitted: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -171,6 +171,15 @@ class BlockManager:
         self.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
+    def unmatch(self, seq: SequenceBlocks, matched: int | None) -> None:
+        """Undoes match_prefix (which found `matched` tokens; None: it was not asked) for a sequence that could not
+        be admitted after all: its blocks go back (they stay cached) and the query leaves the hit-rate
+        statistics."""
+        if self.prefix_caching and matched is not None:
+            self.prefix_queries -= len(seq.all_token_ids)
+            self.prefix_hits -= matched
+        self.free(seq)
+
     def drop_prefix_cache(self, running: list[SequenceBlocks]) -> None:
         """New weights: KV computed with the old ones must never be reused by a later prompt. Cached blocks
         nobody uses go back to the free lists; running sequences keep theirs but stop registering them."""

@@ -222,6 +222,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 for i, h, d, k in st.layers
             ],
             generated_tokens_total=st.generated_tokens_total,
+            preemptions_total=st.num_preemptions,
             mean_token_latency_ms=st.mean_token_latency_ms,
             world_size=len(st.ranks),
             ranks=[
