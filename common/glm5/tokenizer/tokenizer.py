@@ -22,8 +22,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from glm5.errors import CheckpointError, InvalidRequestError
 
 BOUNDED_PIECE_CHARS = 32 << 10
-# message roles whose content is data, not markup: a special token's text in it is encoded as plain text
-LITERAL_ROLES = frozenset({"system", "user", "tool"})
+# the one message field whose special-token text stays markup: the model's own output sent back
+MARKUP_FIELDS = frozenset({("assistant", "content")})
 
 
 class Tokenizer:
@@ -100,15 +100,17 @@ class Tokenizer:
         **kwargs: Any,
     ) -> tuple[list[int], str]:
         """The chat template applied and encoded (bounded as `encode_bounded`), with special tokens only where the
-        template writes them: the text of a special token inside a system, user or tool message's content (a
-        pasted document, a tool's output) or in the tool definitions (a third party's tool descriptions) is
-        encoded as plain text, so no message can forge a turn (`<|assistant|>`), a tool call or the end of the
-        thinking. Returns (ids, the rendered text).
+        template writes them: the text of a special token anywhere in a message (a system, user or tool message's
+        content: a pasted document, a tool's output; an assistant's tool-call names and arguments and its
+        `reasoning_content`, which history carries back from the client) or in the tool definitions (a third
+        party's tool descriptions) is encoded as plain text, so no message can forge a turn (`<|assistant|>`), a
+        tool call or the end of the thinking. Returns (ids, the rendered text).
 
-        The content's special-token strings go through the template as placeholders carrying a per-call nonce
-        (unguessable, so a message cannot write one) and are encoded on their own with special-token parsing
-        off; an assistant message's content keeps its markup (it is the model's own output sent back, and the
-        template splits its `</think>`)."""
+        Those strings go through the template as placeholders carrying a per-call nonce (unguessable, so a message
+        cannot write one) and are encoded on their own with special-token parsing off. Only an assistant
+        message's `content` keeps its markup (MARKUP_FIELDS: the model's own output sent back, whose `</think>`
+        the template splits); a tool call's arguments are the client's to fill in, and an argument that echoes
+        fetched text must not close the call and open a user turn."""
         nonce = secrets.token_hex(8)
         literals: list[str] = []
 
@@ -125,9 +127,11 @@ class Tokenizer:
                 return {shield(k): shield(v) for k, v in value.items()}
             return [shield(v) for v in value] if isinstance(value, list) else value
 
+        # every field, not a list of the ones this template renders: another checkpoint's template may render
+        # a message's `name` or a call's `id`. The role is the template's switch, never text.
         shielded = [
-            dict(m, content=shield(m["content"]))
-            if m.get("role") in LITERAL_ROLES and isinstance(m.get("content"), str) else m
+            {k: v if k == "role" or (m.get("role"), k) in MARKUP_FIELDS else shield(v) for k, v in m.items()}
+            if isinstance(m, dict) else m
             for m in messages
         ]  # fmt: skip
         text = self.apply_chat_template(shielded, tools=shield(tools), **kwargs)
