@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import heapq
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ KEY_BYTES = 16
 NONCE_BYTES = 12
 TAG_BYTES = 16
 ACTIVE_FILE = "active"  # in a key directory: the id of the key that seals
+DEFAULT_SKEW_S = 30.0  # how far in the future a sealed request may be dated (or the replay window, if shorter)
 
 
 class EnvelopeError(Glm5Error, ValueError):
@@ -101,39 +104,70 @@ class KeyRing:
 
 
 class ReplayGuard:
-    """Refuses a sealed request older than `window_s`, from the future by more than `skew_s`, or whose request id
-    was already accepted within the window. Memory is bounded: when `max_entries` ids are remembered the oldest
-    go, and from then on requests issued before the newest forgotten one are refused as too old."""
+    """Refuses a sealed request issued more than `window_s` ago, more than `skew_s` in the future (the clock
+    difference tolerated between a client and this router: 30 s by default, at most the window), or whose
+    (key id, request id) was already accepted while its envelope is still acceptable.
 
-    def __init__(self, window_s: float = 300.0, max_entries: int = 200_000, skew_s: float = 30.0) -> None:
+    An accepted id is remembered until its envelope turns too old, issued + window: the same test that refuses a
+    stale envelope then makes remembering it pointless. For a future-dated envelope that is beyond now + window;
+    entries sit in a heap by issue time, so one dated in the future holds up no other's expiry (arrival order
+    is not issue order). Memory is bounded: past `max_entries` the earliest-issued id goes, and from then on
+    requests issued at or before it are refused as too old."""
+
+    def __init__(self, window_s: float = 300.0, max_entries: int = 200_000, skew_s: float | None = None,
+                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+        if window_s <= 0:
+            raise ConfigError(f"the replay window must be > 0 seconds, got {window_s}")
+        skew_s = min(DEFAULT_SKEW_S, window_s) if skew_s is None else skew_s
+        if not 0 <= skew_s <= window_s:
+            # a larger skew would accept envelopes further ahead than behind, and remember each for longer
+            raise ConfigError(f"the clock skew must be between 0 and the replay window ({window_s} s), got {skew_s}")
+        if max_entries < 1:
+            raise ConfigError(f"the replay guard needs room for at least one id, got {max_entries}")
         self.window_ms, self.skew_ms, self.max_entries = int(window_s * 1000), int(skew_s * 1000), max_entries
-        self.seen: dict[tuple[str, str], int] = {}  # (key id, request id) -> issued_at_ms, in insertion order
+        self.clock = clock
+        self._seen: set[tuple[str, str]] = set()  # (key id, request id)
+        self._by_issue: list[tuple[int, tuple[str, str]]] = []  # heap of (issued_at_ms, id): what expires first
         self.floor_ms = 0
 
-    def check(self, sealed: Sealed, request_id: str, now_ms: int | None = None) -> None:
+    def __len__(self) -> int:
+        """Ids remembered now (after expiring the stale ones)."""
+        self._expire(self._now_ms())
+        return len(self._seen)
+
+    def check(self, sealed: Sealed, request_id: str) -> None:
         """Call after the envelope opened (its issued_at_ms is authentic); raises EnvelopeError on a replay."""
-        now = int(time.time() * 1000) if now_ms is None else now_ms
+        now = self._now_ms()
         issued = sealed.issued_at_ms
         if issued < now - self.window_ms or issued < self.floor_ms:
-            raise EnvelopeError(f"the sealed request is older than the {self.window_ms // 1000} s replay window "
+            raise EnvelopeError(f"the sealed request is older than the {self.window_ms / 1000:g} s replay window "
                                 "(or was sealed without a time): seal it again")  # fmt: skip
         if issued > now + self.skew_ms:
-            raise EnvelopeError("the sealed request is dated in the future: check the client's clock")
+            raise EnvelopeError(f"the sealed request is dated more than {self.skew_ms / 1000:g} s in the future: "
+                                "check the client's clock")  # fmt: skip
         self._expire(now)
         key = (sealed.key_id, request_id)
-        if key in self.seen:
+        if key in self._seen:
             raise EnvelopeError(f"request id {request_id!r} was already served: a replayed envelope is refused")
-        self.seen[key] = issued
-        while len(self.seen) > self.max_entries:
-            oldest = next(iter(self.seen))
-            self.floor_ms = max(self.floor_ms, self.seen.pop(oldest) + 1)
+        self._seen.add(key)
+        heapq.heappush(self._by_issue, (issued, key))
+        while len(self._seen) > self.max_entries:
+            oldest, gone = heapq.heappop(self._by_issue)
+            self._seen.discard(gone)
+            self.floor_ms = max(self.floor_ms, oldest + 1)
+
+    def hold_s(self, issued_at_ms: int) -> float:
+        """How long a store shared by router replicas must keep this envelope's claim: until no replica accepts
+        it, where a replica's clock may run up to the skew behind this one's (max(issued, now) + window + skew)."""
+        now = self._now_ms()
+        return (max(issued_at_ms, now) + self.window_ms + self.skew_ms - now) / 1000
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
 
     def _expire(self, now: int) -> None:
-        # insertion order is close to issue order; stop at the first entry still inside the window
-        for key, issued in list(self.seen.items()):
-            if issued >= now - self.window_ms:
-                break
-            del self.seen[key]
+        while self._by_issue and self._by_issue[0][0] < now - self.window_ms:
+            self._seen.discard(heapq.heappop(self._by_issue)[1])
 
 
 class StreamOpener:

@@ -81,28 +81,89 @@ def test_stream_chunks_reject_replay_and_reorder() -> None:
         opener.open(moved)
 
 
+class Clock:
+    """The guard's injectable clock: seconds, moved by hand."""
+
+    def __init__(self, now_s: float) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+T0_MS = 1_000_000_000_000  # the tests' "now", Unix milliseconds
+
+
+def _seal(ring: KeyRing, request_id: str, offset_s: float) -> Sealed:
+    return ring.seal(b"x", request_id, issued_at_ms=T0_MS + int(offset_s * 1000))
+
+
 def test_replay_guard_refuses_repeats_stale_and_future_requests() -> None:
-    ring = KeyRing({"k1": KEY})
-    guard = ReplayGuard(window_s=60, max_entries=3)
-    now = 1_000_000_000
-    first = ring.seal(b"x", "req-1", issued_at_ms=now)
-    guard.check(first, "req-1", now_ms=now + 10)
+    ring, clock = KeyRing({"k1": KEY}), Clock(T0_MS / 1000)
+    guard = ReplayGuard(window_s=60, max_entries=3, clock=clock)
+    first = _seal(ring, "req-1", 0)
+    clock.now_s += 0.01
+    guard.check(first, "req-1")
     with pytest.raises(EnvelopeError, match="already served"):
-        guard.check(first, "req-1", now_ms=now + 20)
-    guard.check(ring.seal(b"x", "req-2", issued_at_ms=now), "req-2", now_ms=now + 20)  # another id is fine
+        guard.check(first, "req-1")
+    guard.check(_seal(ring, "req-2", 0), "req-2")  # another id is fine
     with pytest.raises(EnvelopeError, match="older than"):
-        guard.check(ring.seal(b"x", "req-3", issued_at_ms=now - 61_000), "req-3", now_ms=now)
+        guard.check(_seal(ring, "req-3", -61), "req-3")
     with pytest.raises(EnvelopeError, match="future"):
-        guard.check(ring.seal(b"x", "req-4", issued_at_ms=now + 31_000), "req-4", now_ms=now)
+        guard.check(_seal(ring, "req-4", 31), "req-4")
     # past its window an id is forgotten (the envelope itself is then too old to be accepted)
-    guard.check(ring.seal(b"x", "req-1", issued_at_ms=now + 61_000), "req-1", now_ms=now + 61_000)
-    assert ("k1", "req-2") not in guard.seen
-    # memory is bounded: once ids are evicted early, older envelopes count as too old
+    clock.now_s = T0_MS / 1000 + 61
+    guard.check(_seal(ring, "req-1", 61), "req-1")
+    assert len(guard) == 1
+    # memory is bounded: once ids are evicted early, envelopes issued before them count as too old
+    clock.now_s += 1
     for i in range(5):
-        guard.check(ring.seal(b"x", f"fill-{i}", issued_at_ms=now + 62_000 + i), f"fill-{i}", now_ms=now + 62_010)
-    assert len(guard.seen) == 3
+        guard.check(_seal(ring, f"fill-{i}", 62 + i / 1000), f"fill-{i}")
+    assert len(guard) == 3
     with pytest.raises(EnvelopeError, match="older than"):
-        guard.check(ring.seal(b"x", "late", issued_at_ms=now + 62_000), "late", now_ms=now + 62_010)
+        guard.check(_seal(ring, "late", 62), "late")
+
+
+def test_replay_guard_bounds_clock_skew_and_expires_around_it() -> None:
+    """Accepted from `window` in the past to `skew` in the future; each id remembered until its envelope is too old
+    (issued + window), whatever order the ids came in: a future-dated one holds up no other's expiry."""
+    ring, clock = KeyRing({"k1": KEY}), Clock(T0_MS / 1000)
+    guard = ReplayGuard(window_s=60, skew_s=30, clock=clock)
+    envelopes = {name: _seal(ring, name, offset) for name, offset in
+                 [("future", 29.5), ("past", -59), ("now", 0), ("edge", 30)]}  # fmt: skip
+    for name, env in envelopes.items():
+        guard.check(env, name)
+    with pytest.raises(EnvelopeError, match="future"):
+        guard.check(_seal(ring, "too-far", 30.5), "too-far")
+    clock.now_s = T0_MS / 1000 + 1.5  # "past" is too old now, and its id forgotten
+    with pytest.raises(EnvelopeError, match="older than"):
+        guard.check(envelopes["past"], "past")
+    assert len(guard) == 3
+    clock.now_s = T0_MS / 1000 + 60.5  # "now" expired although "future" (remembered longer) came in before it
+    assert len(guard) == 2
+    guard.check(_seal(ring, "now", 60.5), "now")  # a new envelope with that id is served
+    clock.now_s = T0_MS / 1000 + 89  # inside "future"'s window: still a replay
+    with pytest.raises(EnvelopeError, match="already served"):
+        guard.check(envelopes["future"], "future")
+    clock.now_s = T0_MS / 1000 + 89.6  # past it: too old, and forgotten
+    with pytest.raises(EnvelopeError, match="older than"):
+        guard.check(envelopes["future"], "future")
+    assert len(guard) == 2  # "edge" (until +90) and the new "now"
+    clock.now_s = T0_MS / 1000 + 121
+    assert len(guard) == 0
+
+
+def test_replay_guard_settings_are_bounded_and_a_shared_claim_outlives_acceptance() -> None:
+    for bad in ({"window_s": 0}, {"skew_s": -1}, {"skew_s": 61}, {"max_entries": 0}):
+        with pytest.raises(ConfigError):
+            ReplayGuard(**{"window_s": 60, **bad})  # type: ignore[arg-type]
+    assert ReplayGuard(window_s=10).skew_ms == 10_000 and ReplayGuard().skew_ms == 30_000  # the default
+    clock = Clock(T0_MS / 1000)
+    guard = ReplayGuard(window_s=60, skew_s=30, clock=clock)
+    # another replica's clock may run up to the skew behind: the claim lasts past every replica's acceptance
+    assert guard.hold_s(T0_MS) == 90
+    assert guard.hold_s(T0_MS + 29_500) == 119.5
+    assert guard.hold_s(T0_MS - 50_000) == 90
 
 
 def test_rotation_and_key_directory(tmp_path: Path) -> None:

@@ -42,12 +42,12 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
 
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, frontend: Frontend, keys: KeyRing | None, require_sealed: bool = False,
-                 replay_window_s: float = 300.0, claim: Claim | None = None) -> None:  # fmt: skip
+                 replay_window_s: float = 300.0, claim: Claim | None = None,
+                 replay_skew_s: float | None = None) -> None:  # fmt: skip
         self.frontend = frontend
         self.keys = keys
         self.require_sealed = require_sealed
-        self.guard = ReplayGuard(replay_window_s)
-        self.replay_window_s = replay_window_s
+        self.guard = ReplayGuard(replay_window_s, skew_s=replay_skew_s)
         # with router replicas sharing Redis, a sealed request id is claimed there too: a replay to another
         # replica is refused as well
         self.claim = claim
@@ -62,7 +62,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             base = self._open(request) if sealed else request.request
             if sealed and self.claim is not None:
                 key = f"{request.sealed.key_id}:{request.request_id}"
-                if not await self.claim(key, self.replay_window_s):
+                if not await self.claim(key, self.guard.hold_s(request.sealed.issued_at_ms)):
                     raise EnvelopeError(f"request id {request.request_id!r} was already served (by another router "
                                         "replica): a replayed envelope is refused")  # fmt: skip
             self.frontend.check_model(request.model)
