@@ -80,11 +80,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-tls-cert", help="PEM certificate: serve the HTTP API over HTTPS")
     g.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
     p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
+    lim.add_argument("--http-idle-timeout", type=float, default=d.http_idle_timeout_s,
+                     help="seconds an HTTP connection may stay without a complete request header")  # fmt: skip
+    lim.add_argument("--http-body-timeout", type=float, default=d.http_body_timeout_s,
+                     help="seconds to send a request body")  # fmt: skip
+    lim.add_argument("--http-max-connections", type=int, default=d.http_max_connections,
+                     help="open HTTP connections; more are answered 503")  # fmt: skip
     p.add_argument("--light-thinking-budget", type=int, default=d.light_thinking_budget,
                    help="reasoning tokens before light thinking is made to answer")  # fmt: skip
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="tokens per streamed message for requests without their own (0: every step)")  # fmt: skip
     p.add_argument("--shutdown-grace", type=float, default=10.0)
+    g.add_argument("--public-metrics", action="store_true",
+                   help="with API keys: serve /metrics without a key too (it names the workers)")  # fmt: skip
+    g.add_argument("--public-health-details", action="store_true",
+                   help="with API keys: /health lists the workers to callers without a key too")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
@@ -125,3 +135,6 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
 def run(a: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve_until_signal(config_from_args(a), a.shutdown_grace))
+        http_idle_timeout_s=a.http_idle_timeout, http_body_timeout_s=a.http_body_timeout,
+        http_max_connections=a.http_max_connections, public_metrics=a.public_metrics,
+        public_health_details=a.public_health_details,

@@ -80,6 +80,12 @@ class RouterConfig:
     max_messages: int = 2048
     max_tools: int = 256
     # payloads and output
+    # what one connection may hold (docs/security.md, "Connections"): slow or idle clients cannot pin them
+    http_idle_timeout_s: float = 30.0  # from connecting (or the last response) to a request's complete header
+    http_body_timeout_s: float = 30.0  # to read a request's body
+    http_max_connections: int = 4096  # open HTTP connections; more are answered 503 and closed
+    public_metrics: bool = False  # with API keys: /metrics without a key too (it names the workers)
+    public_health_details: bool = False  # with API keys: /health lists the workers to callers without a key
     sm4_key_dir: str | None = None
     thinking_policy: ThinkingPolicy = "auto"
     light_thinking_budget: int = 256
@@ -118,4 +124,6 @@ class RouterConfig:
         if min(self.max_request_bytes, self.max_prompt_chars, self.max_messages, self.max_tools) < 1:
             raise ConfigError("--max-request-bytes, --max-prompt-chars, --max-messages and --max-tools must be >= 1")
         if self.stream_interval < 0:
+        if min(self.http_idle_timeout_s, self.http_body_timeout_s) <= 0 or self.http_max_connections < 1:
+            raise ConfigError("--http-idle-timeout and --http-body-timeout must be > 0, --http-max-connections >= 1")
             raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval}")

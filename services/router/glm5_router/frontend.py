@@ -34,11 +34,22 @@ STRUCTURAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
               "</arg_value>"}  # fmt: skip
 AFFINITY_PREFIX_TOKENS = 64
 INLINE_CHARS = 32 << 10  # inputs up to this size are tokenised on the event loop (well under a millisecond)
+# request and session ids are ids, not payloads: they travel in log lines, Redis keys and the reasoning store
+MAX_ID_CHARS = 256
 # OpenAI's roles -> the chat template's: `developer` is OpenAI's current name for system, `function` the
 # deprecated form of a tool result
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
          "function": "tool"}  # fmt: skip
 _CODE = re.compile(r"```|(^|\n)( {4}|\t)\S")
+
+
+def check_id(name: str, value: str, max_chars: int = MAX_ID_CHARS) -> str:
+    """`value` if it can serve as an id in keys, hashes and log lines; otherwise InvalidRequestError naming `name`."""
+    if len(value) > max_chars:
+        raise InvalidRequestError(name, f"at most {max_chars} characters")
+    if not value.isprintable():  # lone surrogates (a header that was not UTF-8) and control characters
+        raise InvalidRequestError(name, "must be printable UTF-8 text")
+    return value
 
 
 @dataclass
@@ -165,6 +176,9 @@ class Frontend:
 
     def build(self, inp: GenerateInput) -> tuple[Job, bool, ToolRegistry | None]:
         """The job, whether the output starts inside <think>, and the tool registry of a chat request."""
+        for name, value in (("request_id", inp.request_id), ("session_id", inp.session_id)):
+            if value:
+                check_id(name, value, MAX_ID_CHARS + 32)  # room for the choices' and prompts' -p<k>-<i> suffixes
         ids, text, thinking, registry = self.encode(inp)
         job = self._job(inp, ids, thinking)
         in_reasoning = text.rstrip().endswith(THINK_OPEN)
@@ -180,6 +194,9 @@ class Frontend:
         """The prompt's token ids, its text (chat template applied; "" for token ids), the thinking mode and
         the tool registry of a chat request."""
         self.input_chars(inp)
+        if sum(x is not None for x in (inp.prompt, inp.prompt_token_ids, inp.messages)) > 1:
+            raise InvalidRequestError("prompt", "give one of prompt, prompt_token_ids or messages: which wins would be "
+                                      "a guess")  # fmt: skip
         tok = self.tokenizer
         registry: ToolRegistry | None = None
         thinking: Thinking = "off"

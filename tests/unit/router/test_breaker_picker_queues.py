@@ -11,7 +11,7 @@ import pytest
 from glm5.errors import CapacityError, ConfigError
 from glm5.v1 import worker_pb2
 from glm5_router.config import BreakerConfig, RouterConfig
-from glm5_router.scheduling.dispatcher import Batch, Dispatcher
+from glm5_router.scheduling.dispatcher import FAILING_AFTER, Batch, Dispatcher
 from glm5_router.scheduling.job import Job
 from glm5_router.scheduling.queues import InProcessQueues
 from glm5_router.workers.breaker import CircuitBreaker, State
@@ -246,3 +246,47 @@ def test_a_degraded_worker_gets_less_traffic() -> None:
     assert picked[ws[1].address] == 10  # equal loads: the healthy one wins every tie
     ws[1].outstanding_tokens = 100
     assert Picker(1.25).pick(ws, None) is ws[0]  # but a degraded idle worker beats a busy healthy one
+
+
+class PoisonPicker(Picker):
+    """A picker that fails on one affinity key: stands for any error while dispatching one job."""
+
+    def pick(self, workers: list[Worker], affinity_key: str | None) -> Worker | None:
+        if affinity_key == "poison":
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+        return super().pick(workers, affinity_key)
+
+
+def test_an_error_dispatching_one_job_fails_that_job_alone() -> None:
+    """The job stays at the head of the queue no more: it fails with the error, the jobs behind it are assigned,
+    and /health's `failing` turns on only when every dispatch keeps failing."""
+
+    async def go() -> None:
+        d = RecordingDispatcher(RouterConfig(workers=("w:1",), max_wait_ms=0))
+        d.picker = PoisonPicker(1.25)
+        (w,) = _workers(1)
+        d.pool.workers[w.address] = w
+        loop = asyncio.get_running_loop()
+        jobs = [_job(i) for i in range(3)]
+        jobs[0].affinity_key = "poison"
+        for j in jobs:
+            j.assigned = loop.create_future()
+            d.queues.put(j)
+        d._dispatch()
+        assert isinstance(jobs[0].assigned.exception(), UnicodeEncodeError)
+        assert d.sent == [["j1"], ["j2"]] and len(d.queues) == 0
+        assert d.failures == 1 and not d.failing
+        poisoned = [_job(i) for i in range(10, 10 + FAILING_AFTER)]
+        for j in poisoned:  # nothing but failures: the dispatcher says it is failing
+            j.affinity_key, j.assigned = "poison", loop.create_future()
+            d.queues.put(j)
+        d._dispatch()
+        assert d.failing and d.last_failure == "UnicodeEncodeError"
+        assert all(isinstance(j.assigned.exception(), UnicodeEncodeError) for j in poisoned if j.assigned)
+        ok = _job(99)
+        ok.assigned = loop.create_future()
+        d.queues.put(ok)
+        d._dispatch()
+        assert not d.failing and d.sent[-1] == ["j99"]
+
+    asyncio.run(go())

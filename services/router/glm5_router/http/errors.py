@@ -4,7 +4,7 @@ produce them: typed errors -> status codes, API keys, the sealed-only mode."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -16,7 +16,9 @@ from glm5_router.scheduling.dispatcher import WorkerStatusError
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # probes and scrapers: no API key (docs/security.md)
+# probes and the API's description need no API key; /metrics only with --public-metrics (docs/security.md)
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
+AUTHENTICATED = "glm5.authenticated"  # request key: the caller presented a valid API key
 
 
 class ApiError(Exception):
@@ -77,6 +79,11 @@ def _http_error(exc: web.HTTPException, request: web.Request, max_body: int) -> 
 def errors_middleware(max_body: int) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if (request.content_length or 0) > max_body:  # from the header alone: a client need not send the body
+            too_large = ApiError(413, f"request body larger than {max_body >> 20} MiB", "invalid_request_error")
+            refused = too_large.response()
+            refused.force_close()  # the unread body must not be taken for the next request
+            return refused
         try:
             return await handler(request)
         except web.HTTPException as exc:
@@ -89,12 +96,13 @@ def errors_middleware(max_body: int) -> Middleware:
     return middleware
 
 
-def auth_middleware(keys: Sequence[Secret]) -> Middleware:
-    """`Authorization: Bearer <key>` on every path but the probes; 401 as OpenAI answers a bad key."""
+def auth_middleware(keys: Sequence[Secret], open_paths: Collection[str] = OPEN_PATHS) -> Middleware:
+    """`Authorization: Bearer <key>` on every path but `open_paths`; 401 as OpenAI answers a bad key."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in OPEN_PATHS and not any_matches(keys, bearer(request.headers.get("Authorization"))):
+        request[AUTHENTICATED] = any_matches(keys, bearer(request.headers.get("Authorization")))
+        if request.path not in open_paths and not request[AUTHENTICATED]:
             raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            "invalid_request_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})  # fmt: skip

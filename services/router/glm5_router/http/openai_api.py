@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import orjson
 import yaml
 from aiohttp import web
 from glm5.errors import UnavailableError
@@ -34,15 +33,23 @@ from glm5.security import Secret
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2
 
-from glm5_router.frontend import INLINE_CHARS, Delta, Frontend, GenerateInput
+from glm5_router.frontend import INLINE_CHARS, Delta, Frontend, GenerateInput, check_id
 from glm5_router.http import params as fields
-from glm5_router.http.errors import ApiError, auth_middleware, errors_middleware, sealed_only_middleware, to_api_error
+from glm5_router.http.errors import (
+    AUTHENTICATED,
+    OPEN_PATHS,
+    ApiError,
+    auth_middleware,
+    errors_middleware,
+    sealed_only_middleware,
+    to_api_error,
+)
+from glm5_router.http.intake import parse_body, text_header
 
 log = logging.getLogger(__name__)
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}  # fmt: skip
 MAX_BODY = 8 << 20  # a 200K-token prompt is ~1 MB of JSON; the body is held whole while it is parsed
-SLOW_JSON_BYTES = 1 << 20  # bodies orjson refused are read again with json's parser only up to this size
 # JSON allows these raw inside strings, but line-splitting SSE clients (JavaScript, some Python) break on them
 LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
 T = TypeVar("T")
@@ -127,8 +134,11 @@ def _completion_logprobs(
 
 class OpenAIServer:
     def __init__(self, frontend: Frontend, api_keys: Sequence[Secret] = (), sealed_only: bool = False,
-                 limits: fields.Limits | None = None, max_body: int = MAX_BODY) -> None:  # fmt: skip
+                 limits: fields.Limits | None = None, max_body: int = MAX_BODY, public_metrics: bool = False,
+                 public_health_details: bool = False, body_timeout_s: float = 30.0) -> None:  # fmt: skip
         self.frontend = frontend
+        self.body_timeout_s = body_timeout_s
+        self.public_metrics, self.public_health_details = public_metrics, public_health_details
         self.api_keys, self.sealed_only, self.limits, self.max_body = (
             tuple(api_keys),
             sealed_only,
@@ -139,7 +149,8 @@ class OpenAIServer:
     def app(self) -> web.Application:
         middlewares = [errors_middleware(self.max_body)]
         if self.api_keys:
-            middlewares.append(auth_middleware(self.api_keys))
+            open_paths = OPEN_PATHS | ({"/metrics"} if self.public_metrics else set())
+            middlewares.append(auth_middleware(self.api_keys, open_paths))
         if self.sealed_only:
             middlewares.append(
                 sealed_only_middleware(frozenset({"/health", "/metrics", "/v1/models", "/openapi.json"}))
@@ -160,17 +171,25 @@ class OpenAIServer:
         return web.json_response(openapi_description())
 
     async def health(self, request: web.Request) -> web.Response:
-        pool = self.frontend.pool
+        """Status, queue depth and the dispatcher's state for anyone (probes); the workers' addresses and signals
+        only where they are not private: no API keys, a caller with a key, or --public-health-details."""
+        pool, dispatcher = self.frontend.pool, self.frontend.dispatcher
         routable = pool.routable()
-        workers = [
-            {"address": w.address, "healthy": w.healthy, "breaker": w.breaker.current().value,
-             "reason": w.breaker.reason, "in_flight": w.in_flight, "kv_usage": w.kv_usage,
-             "degraded": w.breaker.degraded, "excluded": w.excluded or None}
-            for w in pool.workers.values()
-        ]  # fmt: skip
-        body = {"status": "ok" if routable else "unavailable", "workers": workers,
-                "queued": self.frontend.dispatcher.queues.depth()}  # fmt: skip
-        return web.json_response(body, status=200 if routable else 503)
+        ok = bool(routable) and not dispatcher.failing
+        body: dict[str, Any] = {
+            "status": "ok" if ok else "unavailable", "queued": dispatcher.queues.depth(),
+            "workers_routable": len(routable), "workers_known": len(pool.workers),
+            "dispatcher": {"failing": dispatcher.failing, "failures": dispatcher.failures,
+                           "last_failure": dispatcher.last_failure or None},
+        }  # fmt: skip
+        if not self.api_keys or self.public_health_details or request.get(AUTHENTICATED, False):
+            body["workers"] = [
+                {"address": w.address, "healthy": w.healthy, "breaker": w.breaker.current().value,
+                 "reason": w.breaker.reason, "in_flight": w.in_flight, "kv_usage": w.kv_usage,
+                 "degraded": w.breaker.degraded, "excluded": w.excluded or None}
+                for w in pool.workers.values()
+            ]  # fmt: skip
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.frontend.dispatcher.telemetry.exposition()
@@ -220,30 +239,21 @@ class OpenAIServer:
             raise UnavailableError("no worker has answered yet; retry in a moment")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
-        # the event loop parses the body: refuse a chat far over the message limit before building 100,000 dicts
-        # (a key spelt with escapes is not counted here; the limit after parsing still holds for it)
-        if raw.count(b'"role"') > self.frontend.config.max_messages:
-            raise ApiError(400, f"messages: at most {self.frontend.config.max_messages}", "invalid_request_error",
-                           "messages")  # fmt: skip
         try:
-            body = orjson.loads(raw)  # 2-3x faster than json's: parsing holds up every other request meanwhile
-        except orjson.JSONDecodeError as first:
-            if len(raw) > SLOW_JSON_BYTES:
-                raise ApiError(400, f"the body is not valid JSON: {first}", "invalid_request_error") from None
-            try:  # json's own reading for what orjson refuses (integers over 64 bits: a 400 naming the field)
-                body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the body is not valid JSON: {exc}", "invalid_request_error") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object", "invalid_request_error")
+            async with asyncio.timeout(self.body_timeout_s):  # a body sent a byte at a time holds a connection
+                raw = await request.read()
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.body_timeout_s:g}s",
+                           "invalid_request_error") from None  # fmt: skip
+        body = parse_body(raw, self.frontend.config.max_messages)
         self._ready()
         self.frontend.check_model(fields.get(body, "model", str))
         return body
 
     def _input(self, request: web.Request, body: dict[str, Any], base: worker_pb2.GenerateRequest) -> GenerateInput:
-        session = request.headers.get("X-Session-Id") or fields.get(body, "user", str)
-        rid = request.headers.get("X-Request-Id") or f"req-{uuid.uuid4().hex}"
+        user = fields.get(body, "user", str)
+        session = text_header(request, "X-Session-Id") or (check_id("user", user) if user else None)
+        rid = text_header(request, "X-Request-Id") or f"req-{uuid.uuid4().hex}"
         return GenerateInput(base=base, request_id=rid, session_id=session, thinking=fields.thinking(body))
 
     def _fan_out(self, inp: GenerateInput, n: int) -> list[GenerateInput]:

@@ -31,6 +31,7 @@ from glm5_router.workers.pool import Worker, WorkerPool
 log = logging.getLogger(__name__)
 NO_WORKER_POLL_S = 0.25  # how often a job checks for a worker while none is routable
 POOL_CHECK_S = 1.0  # ... and while some are (busy)
+FAILING_AFTER = 5  # dispatch failures in a row after which /health reports the dispatcher as failing
 # Worker answers that are the client's fault: passed through, not a worker failure, not retried.
 CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION}
 
@@ -66,6 +67,9 @@ class Dispatcher:
         self.picker = Picker(config.affinity_load_factor)
         self.retries = 0
         self.batches_sent = 0
+        self.failures = 0  # dispatch errors since start (a job failed alone, or a loop round)
+        self.failures_in_a_row = 0
+        self.last_failure = ""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -182,8 +186,20 @@ class Dispatcher:
             try:
                 self._dispatch()
                 self._flush_due()
-            except Exception:
-                log.exception("dispatch failed")
+            except Exception as exc:  # the loop outlives any error: queued work must not be stranded
+                self._record_failure(exc)
+                log.exception("dispatch round failed")
+
+    @property
+    def failing(self) -> bool:
+        """Every recent dispatch attempt failed: /health says so instead of 'ok'."""
+        return self.failures_in_a_row >= FAILING_AFTER
+
+    def _record_failure(self, exc: BaseException) -> None:
+        self.failures += 1
+        self.failures_in_a_row += 1
+        self.last_failure = type(exc).__name__
+        self.telemetry.dispatch_failures.inc()
 
     def _long_paused(self, workers: list[Worker]) -> bool:
         return bool(workers) and min(w.kv_usage for w in workers) > self.config.long_pause_kv_usage
@@ -196,11 +212,25 @@ class Dispatcher:
             if job is None:
                 return
             candidates = [w for w in workers if w.address not in job.failed_on] or workers
-            worker = self.picker.pick(candidates, job.affinity_key)
+            try:
+                worker = self.picker.pick(candidates, job.affinity_key)
+            except Exception as exc:  # this job's own fault or not: it fails alone, the queue goes on
+                self.queues.pop(job)
+                self._fail(job, exc)
+                continue
             if worker is None:
                 return  # every worker refuses now: wait for a change or the next tick
             self.queues.pop(job)
             self._assign(worker, job)
+            self.failures_in_a_row = 0
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        """End one job with `exc` (its client sees it) without touching any other."""
+        self._record_failure(exc)
+        log.error("dispatching %s failed: %s", job.id, type(exc).__name__, exc_info=exc)
+        job.done = True
+        if job.assigned is not None and not job.assigned.done():
+            job.assigned.set_exception(exc)
 
     def _assign(self, worker: Worker, job: Job) -> None:
         worker.in_flight += 1

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError
 
 from glm5_router.config import RouterConfig
 from glm5_router.frontend import Frontend
+from glm5_router.http.listener import HttpListener, quiet_parser_errors
 from glm5_router.http.openai_api import OpenAIServer
 from glm5_router.scheduling.dispatcher import Dispatcher
 from glm5_router.scheduling.queues import InProcessQueues
@@ -42,6 +43,7 @@ class RouterApp:
     grpc_server: grpc.aio.Server
     health: HealthServicer
     http_runner: web.AppRunner
+    http_listener: HttpListener
     grpc_port: int
     http_port: int
     shared: SharedQueue | None = None
@@ -55,6 +57,7 @@ class RouterApp:
         await self.grpc_server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(None)
+        await self.http_listener.close()
         await self.http_runner.cleanup()
         if self.shared is not None:
             await self.shared.close(grace)  # stop claiming; claimed requests finish
@@ -96,10 +99,16 @@ async def start_router(config: RouterConfig) -> RouterApp:
     def add(s: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(service, s)  # type: ignore[no-untyped-call]
 
-    http = OpenAIServer(frontend, config.api_keys, config.require_sealed, max_body=config.max_request_bytes)
+    http = OpenAIServer(frontend, config.api_keys, config.require_sealed, max_body=config.max_request_bytes,
+                        public_metrics=config.public_metrics, public_health_details=config.public_health_details,
+                        body_timeout_s=config.http_body_timeout_s)  # fmt: skip
     # handler_cancellation: a client that disconnects cancels its handler, and with it its requests on the workers
-    # (streaming or not)
-    runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
+    # (streaming or not). keepalive_timeout: aiohttp arms it when a connection opens and after each response, and
+    # closes the connection if no complete request header came by then (idle and slowloris alike)
+    runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True,
+                           keepalive_timeout=config.http_idle_timeout_s)  # fmt: skip
+    quiet_parser_errors()
+    listener = HttpListener(runner, config.http_max_connections)
     try:
         # The router service (what readiness probes ask for) is SERVING only once a worker answered with its
         # tokenizer: before that every API call is a 503. "" (liveness) is SERVING from the start.
@@ -109,29 +118,28 @@ async def start_router(config: RouterConfig) -> RouterApp:
             health_server = await start_health_server(health, config.host, config.health_port)
         await runner.setup()
         ssl_context = config.http_tls.ssl_context() if config.http_tls.enabled else None
-        site = web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context)
         try:
-            await site.start()
+            http_port = await listener.start(config.host, config.http_port, ssl_context)
         except OSError as exc:
             raise BindError(f"cannot listen on {config.host}:{config.http_port} (HTTP): {exc.strerror}") from None
     except BaseException:
         await server.stop(None)
         if health_server is not None:
             await health_server.stop(None)
+        await listener.close()
         await runner.cleanup()
         if shared is not None:
             await shared.close(0)
         await dispatcher.close()
         await pool.close()
         raise
-    http_port = runner.addresses[0][1] if runner.addresses else config.http_port
     scheme = "https" if config.http_tls.enabled else "http"
     log.info("router: gRPC%s on %s:%d, OpenAI HTTP on %s://%s:%d/v1%s, workers %s",
              " (TLS)" if config.tls.enabled else "", config.host, grpc_port, scheme, config.host, http_port,
              " (API keys required)" if config.api_keys else "", list(pool.workers))  # fmt: skip
     readiness = None if pool.ready else asyncio.create_task(_serving_when_ready(pool, health))
-    return RouterApp(config, pool, dispatcher, frontend, server, health, runner, grpc_port, http_port, shared,
-                     health_server, readiness)  # fmt: skip
+    return RouterApp(config, pool, dispatcher, frontend, server, health, runner, listener, grpc_port, http_port,
+                     shared, health_server, readiness)  # fmt: skip
 
 
 async def _serving_when_ready(pool: WorkerPool, health: HealthServicer) -> None:

@@ -13,7 +13,8 @@ from glm5_router.workers.pool import Worker
 
 
 def _score(key: str, address: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{key}\0{address}".encode(), digest_size=8).digest(), "big")
+    data = f"{key}\0{address}".encode("utf-8", "surrogatepass")  # any str hashes; intake refuses such keys anyway
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 class Picker:
