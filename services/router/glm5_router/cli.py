@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with no routable worker, seconds a request waits before it fails with 503")  # fmt: skip
     p.add_argument("--redis-url", help="redis:// URL of a shared queue (several router replicas)")
     p.add_argument("--redis-url-env", help="read the Redis URL from this environment variable")
+    p.add_argument("--redis-claims-per-worker", type=int, default=d.redis_claims_per_worker,
+                   help="requests this router takes from the shared queue per routable worker")  # fmt: skip
     p.add_argument("--affinity-load-factor", type=float, default=d.affinity_load_factor)
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--retry-backoff-ms", type=float, default=d.retry_backoff_ms)
@@ -72,29 +74,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="characters of prompt or message text, checked before tokenising")  # fmt: skip
     lim.add_argument("--max-messages", type=int, default=d.max_messages)
     lim.add_argument("--max-tools", type=int, default=d.max_tools)
-    g = p.add_argument_group("OpenAI API access (docs/security.md)")
-    g.add_argument("--api-key", action="append", default=[],
-                   help="a key clients must send as 'Authorization: Bearer' (repeatable, for rotation)")  # fmt: skip
-    g.add_argument("--api-key-env", help="environment variable holding API keys (comma-separated)")
-    g.add_argument("--api-key-file", help="file of API keys, one per line (a mounted Secret)")
-    g.add_argument("--http-tls-cert", help="PEM certificate: serve the HTTP API over HTTPS")
-    g.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
-    p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
     lim.add_argument("--http-idle-timeout", type=float, default=d.http_idle_timeout_s,
                      help="seconds an HTTP connection may stay without a complete request header")  # fmt: skip
     lim.add_argument("--http-body-timeout", type=float, default=d.http_body_timeout_s,
                      help="seconds to send a request body")  # fmt: skip
     lim.add_argument("--http-max-connections", type=int, default=d.http_max_connections,
                      help="open HTTP connections; more are answered 503")  # fmt: skip
+    g = p.add_argument_group("OpenAI API access (docs/security.md)")
+    g.add_argument("--api-key", action="append", default=[],
+                   help="a key clients must send as 'Authorization: Bearer' (repeatable, for rotation)")  # fmt: skip
+    g.add_argument("--api-key-env", help="environment variable holding API keys (comma-separated)")
+    g.add_argument("--api-key-file", help="file of API keys, one per line (a mounted Secret)")
+    g.add_argument("--public-metrics", action="store_true",
+                   help="with API keys: serve /metrics without a key too (it names the workers)")  # fmt: skip
+    g.add_argument("--public-health-details", action="store_true",
+                   help="with API keys: /health lists the workers to callers without a key too")  # fmt: skip
+    g.add_argument("--http-tls-cert", help="PEM certificate: serve the HTTP API over HTTPS")
+    g.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
+    p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
     p.add_argument("--light-thinking-budget", type=int, default=d.light_thinking_budget,
                    help="reasoning tokens before light thinking is made to answer")  # fmt: skip
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="tokens per streamed message for requests without their own (0: every step)")  # fmt: skip
     p.add_argument("--shutdown-grace", type=float, default=10.0)
-    g.add_argument("--public-metrics", action="store_true",
-                   help="with API keys: serve /metrics without a key too (it names the workers)")  # fmt: skip
-    g.add_argument("--public-health-details", action="store_true",
-                   help="with API keys: /health lists the workers to callers without a key too")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
@@ -119,7 +121,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         short_max_prompt_tokens=a.short_max_prompt_tokens, long_min_prompt_tokens=a.long_min_prompt_tokens,
         long_pause_kv_usage=a.long_pause_kv_usage, max_queued=a.max_queued, queue_timeout_s=a.queue_timeout,
         no_worker_timeout_s=a.no_worker_timeout,
-        redis_url=redis_url, affinity_load_factor=a.affinity_load_factor, max_retries=a.max_retries,
+        redis_url=redis_url, redis_claims_per_worker=a.redis_claims_per_worker,
+        affinity_load_factor=a.affinity_load_factor, max_retries=a.max_retries,
         retry_backoff_ms=a.retry_backoff_ms, stats_interval_s=a.stats_interval,
         discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,
         thinking_policy=a.thinking_policy, light_thinking_budget=a.light_thinking_budget,
@@ -129,12 +132,12 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         api_keys=read_secrets(a.api_key, a.api_key_env, a.api_key_file, "API keys"),
         require_sealed=a.require_sealed, replay_window_s=a.replay_window, max_request_bytes=a.max_request_bytes,
         max_prompt_chars=a.max_prompt_chars, max_messages=a.max_messages, max_tools=a.max_tools,
+        http_idle_timeout_s=a.http_idle_timeout, http_body_timeout_s=a.http_body_timeout,
+        http_max_connections=a.http_max_connections, public_metrics=a.public_metrics,
+        public_health_details=a.public_health_details,
     )  # fmt: skip
 
 
 def run(a: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve_until_signal(config_from_args(a), a.shutdown_grace))
-        http_idle_timeout_s=a.http_idle_timeout, http_body_timeout_s=a.http_body_timeout,
-        http_max_connections=a.http_max_connections, public_metrics=a.public_metrics,
-        public_health_details=a.public_health_details,

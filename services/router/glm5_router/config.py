@@ -61,6 +61,7 @@ class RouterConfig:
     queue_timeout_s: float = 600.0  # default deadline for a queued request
     no_worker_timeout_s: float = 10.0  # with no routable worker, a request fails (503) after this wait
     redis_url: str | None = field(default=None, repr=False)  # may hold a password
+    redis_claims_per_worker: int = 8  # requests a router takes from the shared queue per routable worker
     # routing
     affinity_load_factor: float = 1.25  # no worker above ceil(c * mean load) for affine requests
     max_retries: int = 2  # retries of a request that has not streamed a token yet
@@ -79,13 +80,13 @@ class RouterConfig:
     max_prompt_chars: int = 2_000_000  # text of a prompt or of all messages, checked before tokenising
     max_messages: int = 2048
     max_tools: int = 256
-    # payloads and output
     # what one connection may hold (docs/security.md, "Connections"): slow or idle clients cannot pin them
     http_idle_timeout_s: float = 30.0  # from connecting (or the last response) to a request's complete header
     http_body_timeout_s: float = 30.0  # to read a request's body
     http_max_connections: int = 4096  # open HTTP connections; more are answered 503 and closed
     public_metrics: bool = False  # with API keys: /metrics without a key too (it names the workers)
     public_health_details: bool = False  # with API keys: /health lists the workers to callers without a key
+    # payloads and output
     sm4_key_dir: str | None = None
     thinking_policy: ThinkingPolicy = "auto"
     light_thinking_budget: int = 256
@@ -109,6 +110,8 @@ class RouterConfig:
             raise ConfigError("--long-pause-kv-usage must be in (0, 1]")
         if self.no_worker_timeout_s < 0:
             raise ConfigError("--no-worker-timeout must be >= 0")
+        if self.redis_claims_per_worker < 1:
+            raise ConfigError("--redis-claims-per-worker must be >= 1")
         if self.max_queued < 1 or self.queue_timeout_s <= 0 or self.default_max_new_tokens < 1:
             raise ConfigError("--max-queued, --queue-timeout and --default-max-new-tokens must be positive")
         if self.affinity_load_factor < 1 or self.max_retries < 0 or self.retry_backoff_ms < 0:
@@ -123,7 +126,7 @@ class RouterConfig:
             raise ConfigError("--replay-window must be > 0 seconds")
         if min(self.max_request_bytes, self.max_prompt_chars, self.max_messages, self.max_tools) < 1:
             raise ConfigError("--max-request-bytes, --max-prompt-chars, --max-messages and --max-tools must be >= 1")
-        if self.stream_interval < 0:
         if min(self.http_idle_timeout_s, self.http_body_timeout_s) <= 0 or self.http_max_connections < 1:
             raise ConfigError("--http-idle-timeout and --http-body-timeout must be > 0, --http-max-connections >= 1")
+        if self.stream_interval < 0:
             raise ConfigError(f"--stream-interval must be >= 0, got {self.stream_interval}")
