@@ -19,6 +19,12 @@ def int4_scheme(targets: list[str], group: int) -> QuantizationScheme:
     return QuantizationScheme(targets=targets, weights=args, format="pack-quantized")
 
 
+def int4_channel_scheme(targets: list[str]) -> QuantizationScheme:
+    """INT4 with one scale per output row (compressed-tensors' `channel` strategy: any number of columns)."""
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel")
+    return QuantizationScheme(targets=targets, weights=args, format="pack-quantized")
+
+
 def fp8_scheme(targets: list[str], block: int) -> QuantizationScheme:
     weights = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[block] * 2)
     inputs = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group", group_size=block,
@@ -39,6 +45,8 @@ def _matches(scheme: QuantizationScheme, module: str) -> bool:
 def _scale(w: torch.Tensor, scheme: QuantizationScheme) -> torch.Tensor:
     """Per-group absmax scales, as llm-compressor's min-max observer computes them (the library quantizes)."""
     args = scheme.weights
+    if args.type == "int" and args.strategy == "channel":
+        return (w.abs().amax(-1, keepdim=True) / 7.5).clamp(min=1e-8)
     if args.type == "int":
         groups = w.view(w.shape[0], -1, args.group_size).abs().amax(-1)
         return (groups / 7.5).clamp(min=1e-8)
@@ -62,6 +70,8 @@ def write_compressed(src: Path, out: Path, schemes: list[QuantizationScheme]) ->
         compressor = BaseCompressor.load_from_registry(scheme.format)
         for key, value in compressor.compress({"weight": t, "weight_scale": _scale(t, scheme)}, scheme).items():
             written[f"{module}.{key}"] = value
+    # the library returns views for partial blocks (weight[:rows, :cols] of the padded tiles)
+    written = {k: v.contiguous() for k, v in written.items()}
     save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     groups = {f"group_{i}": s for i, s in enumerate(schemes)}

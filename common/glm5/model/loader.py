@@ -291,7 +291,7 @@ def _use_stored_formats(
                     replacement = Fp8Linear(module.in_features, module.out_features, module.bias is not None, block,
                                             dtype)  # fmt: skip
                 elif f"{mod_name}.weight_packed" in stored:
-                    group = quant.int4_group(mod_name, module.in_features)
+                    group = quant.int4_group(mod_name)
                     replacement = Int4Linear(module.in_features, module.out_features, module.bias is not None, group,
                                              dtype)  # fmt: skip
             if replacement is not None:
@@ -302,12 +302,13 @@ def _use_stored_formats(
             if stored.get(f"{first}.weight") == "F8_E4M3":
                 module.to_fp8(quant.fp8_block(first))
             elif f"{first}.weight_packed" in stored:
-                module.to_int4(quant.int4_group(first, module.dims[1]))
+                module.to_int4(quant.int4_group(first))
 
 
-def _grouped(model: GlmMoeDsaForCausalLM, name: str, dim: int) -> tuple[int, int] | None:
+def _grouped(model: GlmMoeDsaForCausalLM, name: str, dim: int) -> tuple[int, int | None] | None:
     """For a tensor stored per group of values along `dim` (FP8 block scales, packed INT4 words and their
-    scales): this rank's logical size along `dim` and the group's size there; None for plain tensors."""
+    scales): this rank's logical size along `dim` and the group's size there (None: one group spans the whole
+    dimension, as INT4 channel scales do along a row); None for plain tensors."""
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
     if not isinstance(module, Fp8Linear | Int4Linear):
@@ -321,11 +322,15 @@ def _grouped(model: GlmMoeDsaForCausalLM, name: str, dim: int) -> tuple[int, int
 
 
 def _split_grouped(
-    name: str, target: torch.Tensor, weight_local: int, size: int, dim: int, tp: TensorParallel
+    name: str, target: torch.Tensor, weight_local: int, size: int | None, dim: int, tp: TensorParallel
 ) -> tuple[tuple[int, ...], tuple[slice, ...]]:
     """The rows or columns of groups (block scales, packed words, group scales) that cover this rank's part
-    of a split weight; an error if the split cuts a group (the rank would need values it does not hold)."""
+    of a split weight; an error if the split cuts a group (the rank would need values it does not hold, or a
+    block's scale from an offset its layer does not know). A group that spans the whole dimension (`size`
+    None: a channel scale) is every rank's, read whole: the same scale applies to each part of the row."""
     start, stop, total = tp.rank * weight_local, (tp.rank + 1) * weight_local, weight_local * tp.size
+    if size is None:
+        return tuple(target.shape), tuple[slice, ...]()
     if start % size or (stop % size and stop != total):
         what = "rows" if dim == 0 else "columns"
         raise CheckpointError(
@@ -427,12 +432,12 @@ def _load_expert(
         dim = 1 if which == "down" else 0
         inter, hidden = experts.dims
         local = (inter if which == "down" else hidden) if dim == 1 else (hidden if which == "down" else inter)
-        size = 1
+        size: int | None = 1
         if kind == "_scale_inv":
             assert experts.fp8_block is not None
             size = experts.fp8_block[dim]
         elif kind in ("_packed", "_scale") and dim == 1:
-            assert experts.int4_group is not None
+            assert experts.is_int4
             size = INT4_PER_WORD if kind == "_packed" else experts.int4_group
         full, index = _split_grouped(name, target, local, size, dim, tp)
     if lazy.shape != full:

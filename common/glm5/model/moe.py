@@ -103,7 +103,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))  # rows: gate then up
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
         self.fp8_block: tuple[int, int] | None = None
-        self.int4_group: int | None = None
+        self.is_int4 = False
+        self.int4_group: int | None = None  # input columns per INT4 scale; None: one scale per row (channel)
         self.cpu_kernels: list[tuple[CpuInt4, CpuInt4]] | None = None
         # calibration (glm5 quantize): called with (global expert id, "gate_up" | "down", that projection's input)
         self.observer: Callable[[int, str, torch.Tensor], None] | None = None
@@ -122,30 +123,38 @@ class Experts(nn.Module):
         self.down_proj_scale_inv = nn.Parameter(torch.empty(e, dr, dc, device=dev), **frozen)
         self.fp8_block = block
 
-    def to_int4(self, group: int) -> None:
+    def to_int4(self, group: int | None) -> None:
         """Packed INT4 weights (before loading): `*_packed` int32 words of 8 values and `*_scale`, one per `group`
-        input columns of a row (gate and up rows stacked, their scales with them)."""
+        input columns of a row, or one per row when `group` is None (gate and up rows stacked, their scales with
+        them)."""
         e, two_i, d = self.gate_up_proj.shape
         i, dev = two_i // 2, self.gate_up_proj.device
         frozen = dict(requires_grad=False)
         del self.gate_up_proj, self.down_proj
+        self.is_int4, self.int4_group = True, group
         words_d, words_i = math.ceil(d / INT4_PER_WORD), math.ceil(i / INT4_PER_WORD)
+        scales_d, scales_i = math.ceil(d / self._cols_per_scale(d)), math.ceil(i / self._cols_per_scale(i))
         self.gate_up_proj_packed = nn.Parameter(torch.empty(e, two_i, words_d, dtype=torch.int32, device=dev), **frozen)
-        self.gate_up_proj_scale = nn.Parameter(torch.empty(e, two_i, math.ceil(d / group), device=dev), **frozen)
+        self.gate_up_proj_scale = nn.Parameter(torch.empty(e, two_i, scales_d, device=dev), **frozen)
         self.down_proj_packed = nn.Parameter(torch.empty(e, d, words_i, dtype=torch.int32, device=dev), **frozen)
-        self.down_proj_scale = nn.Parameter(torch.empty(e, d, math.ceil(i / group), device=dev), **frozen)
-        self.int4_group = group
+        self.down_proj_scale = nn.Parameter(torch.empty(e, d, scales_i, device=dev), **frozen)
+
+    def _cols_per_scale(self, cols: int) -> int:
+        """Input columns per INT4 scale of a projection with `cols` inputs: gate_up reads the hidden size, down
+        the intermediate one, so a channel scale spans a different width in each."""
+        return self.int4_group or cols
 
     def use_cpu_kernel(self) -> None:
         """Repacks INT4 experts for the CPU int4 matmul (bfloat16 compute), freeing the checkpoint layout."""
-        if self.int4_group is None:
+        if not self.is_int4:
             return
-        (i, d), g, dev = self.dims, self.int4_group, self.gate_up_proj_packed.device
-        if not (CpuInt4.fits(2 * i, d, g, dev) and CpuInt4.fits(d, i, g, dev)):
+        (i, d), dev = self.dims, self.gate_up_proj_packed.device
+        gd, gi = self._cols_per_scale(d), self._cols_per_scale(i)
+        if not (CpuInt4.fits(2 * i, d, gd, dev) and CpuInt4.fits(d, i, gi, dev)):
             return
         self.cpu_kernels = [
-            (CpuInt4(self.gate_up_proj_packed[e], self.gate_up_proj_scale[e], d),
-             CpuInt4(self.down_proj_packed[e], self.down_proj_scale[e], i))
+            (CpuInt4(self.gate_up_proj_packed[e], self.gate_up_proj_scale[e], d, gd),
+             CpuInt4(self.down_proj_packed[e], self.down_proj_scale[e], i, gi))
             for e in range(self.num_experts)
         ]  # fmt: skip
         frozen = dict(requires_grad=False)
@@ -157,8 +166,10 @@ class Experts(nn.Module):
     def _gate_up(self, x: torch.Tensor, e: int) -> torch.Tensor:
         if self.cpu_kernels is not None and x.dtype == torch.bfloat16:
             return self.cpu_kernels[e][0].matmul(x)
-        if self.int4_group is not None:
-            w = dequantize_int4(self.gate_up_proj_packed[e], self.gate_up_proj_scale[e], self.dims[1], x.dtype)
+        if self.is_int4:
+            d = self.dims[1]
+            w = dequantize_int4(self.gate_up_proj_packed[e], self.gate_up_proj_scale[e], d, self._cols_per_scale(d),
+                                x.dtype)  # fmt: skip
         elif self.fp8_block is not None:
             w = stacked_dequantize(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], 2, self.fp8_block, x.dtype)
         else:
@@ -168,8 +179,10 @@ class Experts(nn.Module):
     def _down(self, x: torch.Tensor, e: int) -> torch.Tensor:
         if self.cpu_kernels is not None and x.dtype == torch.bfloat16:
             return self.cpu_kernels[e][1].matmul(x)
-        if self.int4_group is not None:
-            w = dequantize_int4(self.down_proj_packed[e], self.down_proj_scale[e], self.dims[0], x.dtype)
+        if self.is_int4:
+            i = self.dims[0]
+            w = dequantize_int4(self.down_proj_packed[e], self.down_proj_scale[e], i, self._cols_per_scale(i),
+                                x.dtype)  # fmt: skip
         elif self.fp8_block is not None:
             w = dequantize(self.down_proj[e], self.down_proj_scale_inv[e], self.fp8_block, x.dtype)
         else:
@@ -208,7 +221,7 @@ class Experts(nn.Module):
     def _can_gather(self, picks: int) -> bool:
         """Whether a compiled step runs the experts as gathered weights: plain weights, no observer, and at
         most GATHER_MAX_BYTES of them copied (small decode batches)."""
-        if self.fp8_block is not None or self.int4_group is not None or self.observer is not None:
+        if self.fp8_block is not None or self.is_int4 or self.observer is not None:
             return False
         return picks * (self.gate_up_proj[0].nbytes + self.down_proj[0].nbytes) <= GATHER_MAX_BYTES
 

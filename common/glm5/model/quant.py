@@ -7,7 +7,9 @@ Two formats, each read as stored (memory holds the quantized bytes, never a floa
   `float-quantized` block format is the same numbers under the name `weight_scale`.
 - compressed-tensors `pack-quantized` INT4 (the community W4A16 checkpoints): symmetric int4 values packed eight
   to an int32 (`weight_packed`, element i at bits 4i..4i+3, offset by +8), one scale per `group` input columns
-  of a row (`weight_scale`), the logical shape in `weight_shape`: `weight = int4 x scale` group by group.
+  of a row or one per row (strategy channel) (`weight_scale`), the logical shape in `weight_shape`:
+  `weight = int4 x scale` group by group (a last partial group, which compressed-tensors does not write, covers
+  the remaining columns).
 Which layers are quantized, and how, is what the checkpoint stores (a float8 weight with its scale, a
 `weight_packed`), checked against its `quantization_config`; never a list of names.
 
@@ -131,8 +133,9 @@ class QuantConfig:
             )
         return group.block
 
-    def int4_group(self, module: str, columns: int) -> int:
-        """The number of input columns sharing one scale in `module`'s packed INT4 weight."""
+    def int4_group(self, module: str) -> int | None:
+        """The number of input columns sharing one scale in `module`'s packed INT4 weight; None for one scale per
+        row (strategy channel), whatever the row's length or the part of it a rank holds."""
         group = self.group_for(module) if self.method == "compressed-tensors" else None
         if group is None:
             raise CheckpointError(f"{module}.weight_packed is stored but no config group of the checkpoint targets it")
@@ -142,7 +145,7 @@ class QuantConfig:
                 "weights are not supported; only symmetric int4"
             )
         if group.strategy == "channel":
-            return columns
+            return None
         if group.strategy != "group" or not group.group_size:
             raise CheckpointError(f"{module}: int4 strategy {group.strategy!r} is not supported; use group or channel")
         return group.group_size
@@ -237,9 +240,14 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     return bytes_.view(torch.int32)
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """(R, ceil(C/8)) packed int4 and its (R, ceil(C/group)) scales -> (R, C) in `dtype`."""
-    rows, group = packed.shape[0], math.ceil(cols / scale.shape[1])
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, cols: int, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """(R, ceil(C/8)) packed int4 and its (R, ceil(C/group)) scales -> (R, C) in `dtype` (the last group may be
+    partial). The group is given, not derived from the scales' shape: 160 columns in groups of 128 have two
+    scales per row, which would read as groups of 80."""
+    rows = packed.shape[0]
+    assert scale.shape[1] == math.ceil(cols / group), (tuple(scale.shape), cols, group)
     values = unpack_int4(packed, cols).to(torch.float32)
     if cols % group == 0:  # whole groups: scale through a view, no (R, C) scale tensor
         values.view(rows, cols // group, group).mul_(scale[:, :, None].float())
@@ -251,8 +259,8 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, cols: int, dtype:
 class CpuInt4:
     """One INT4 matrix repacked for PyTorch's CPU int4 matmul (bfloat16 activations)."""
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, cols: int) -> None:
-        self.group = cols // scale.shape[1]
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, cols: int, group: int) -> None:
+        self.group = group
         unsigned = unpack_int4(packed, cols).to(torch.int32) + 8
         self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
         # the kernel computes (q - 8) * scale + zero: symmetric int4 has zero 0
@@ -294,29 +302,36 @@ class Fp8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """A linear layer whose weight is compressed-tensors pack-quantized INT4; the checkpoint's parameter names
-    (`weight_packed`, `weight_scale`)."""
+    (`weight_packed`, `weight_scale`). `group` None: one scale per row (channel)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, group: int, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: int | None, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group, self.dtype = in_features, out_features, group, dtype
         frozen = dict(requires_grad=False)
         packed_cols = math.ceil(in_features / INT4_PER_WORD)
         self.weight_packed = nn.Parameter(torch.empty(out_features, packed_cols, dtype=torch.int32), **frozen)
-        self.weight_scale = nn.Parameter(torch.empty(out_features, math.ceil(in_features / group)), **frozen)
+        scales = math.ceil(in_features / self.cols_per_scale)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, scales), **frozen)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.cpu_kernel: CpuInt4 | None = None
 
+    @property
+    def cols_per_scale(self) -> int:
+        return self.group or self.in_features
+
     def use_cpu_kernel(self) -> None:
         """Repacks the weight for the CPU int4 matmul (bfloat16 compute) and frees the checkpoint layout."""
-        if CpuInt4.fits(self.out_features, self.in_features, self.group, self.weight_packed.device):
-            self.cpu_kernel = CpuInt4(self.weight_packed, self.weight_scale, self.in_features)
+        group = self.cols_per_scale
+        if CpuInt4.fits(self.out_features, self.in_features, group, self.weight_packed.device):
+            self.cpu_kernel = CpuInt4(self.weight_packed, self.weight_scale, self.in_features, group)
             self.weight_packed = nn.Parameter(self.cpu_kernel.weight, requires_grad=False)
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.cpu_kernel is not None:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             return self.cpu_kernel.matmul(eye).t().to(dtype or self.dtype)
-        return dequantize_int4(self.weight_packed, self.weight_scale, self.in_features, dtype or self.dtype)
+        packed, scale, cols = self.weight_packed, self.weight_scale, self.in_features
+        return dequantize_int4(packed, scale, cols, self.cols_per_scale, dtype or self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel is not None and x.dtype == torch.bfloat16:

@@ -134,7 +134,7 @@ def test_compressed_tensors_output_is_what_the_library_reads(
     assert isinstance(o_proj, Fp8Linear if scheme == "w4a16-fp8-mix" else Int4Linear)
     original = load_file(str(float_checkpoint / "model.safetensors"))["model.layers.1.mlp.experts.2.down_proj.weight"]
     experts = model.model.layers[1].mlp.experts
-    got = dequantize_int4(experts.down_proj_packed[2], experts.down_proj_scale[2], experts.dims[0], torch.float32)
+    got = dequantize_int4(experts.down_proj_packed[2], experts.down_proj_scale[2], experts.dims[0], 16, torch.float32)
     assert (got - original).abs().max() <= experts.down_proj_scale[2].max() / 2 + 1e-6
 
 
