@@ -38,6 +38,17 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+class Health(HealthServicer):  # type: ignore[misc]
+    """grpc.health.v1 with List. grpcio-health-checking's asyncio servicer has Check and Watch only, so a List
+    call reached the generated base class, whose NotImplementedError grpc logged as an ERROR traceback."""
+
+    async def List(self, request: health_pb2.HealthListRequest,
+                   context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:  # fmt: skip
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in self._server_status.items()}
+        )
+
+
 def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     return grpc.aio.server(
         interceptors=list(interceptors),
@@ -65,7 +76,7 @@ async def start_serving(
     health servicer (for graceful shutdown and that later set) and the bound port. A port that cannot be bound is a
     BindError naming it."""
     add_service(server)
-    health = HealthServicer()
+    health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
     reflection.enable_server_reflection((service_name, health_name, reflection.SERVICE_NAME), server)

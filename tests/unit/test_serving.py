@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 from glm5.serving import RequestFailed, merge_response, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2
 
@@ -118,3 +120,62 @@ def test_the_glm5_command_sets_grpc_io_defaults_before_grpc_loads_and_a_user_set
     assert run(probe, {}).endswith(repr(IOMGR_EXPERIMENTS))
     assert run(probe, {"GRPC_EXPERIMENTS": ""}).endswith("''")
     assert run(probe, {"GRPC_EXPERIMENTS": "-event_engine_client"}).endswith("'-event_engine_client'")
+
+
+def test_a_second_start_under_an_open_id_fails_alone() -> None:
+    """A start whose id is still open on the stream is refused (INVALID_ARGUMENT under that id, as the stream's
+    per-request errors are); the request already running under it goes on to its end, every token, and is not
+    started twice."""
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def one(request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        started.append(request.prompt)
+        yield _resp([1], "a")
+        await release.wait()  # still running while the duplicate arrives
+        yield _resp([2], "b", finish_reason=common_pb2.FINISH_REASON_STOP)
+
+    start, many = worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamRequests
+
+    async def requests() -> AsyncIterator[worker_pb2.GenerateStreamRequests]:
+        yield many(requests=[start(id=7, start=worker_pb2.GenerateRequest(prompt="first"))])
+        await asyncio.sleep(0.05)
+        yield many(requests=[start(id=7, start=worker_pb2.GenerateRequest(prompt="second"))])
+        await asyncio.sleep(0.05)
+        release.set()
+
+    async def go() -> list[worker_pb2.GenerateStreamResponse]:
+        return [e async for b in serve_multiplexed(one, requests()) for e in b.responses]
+
+    got = asyncio.run(go())
+    errors = [e for e in got if e.error_code]
+    assert len(errors) == 1 and errors[0].id == 7
+    assert errors[0].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "already open" in errors[0].error_message
+    tokens = [t for e in got if not e.error_code for t in e.response.token_ids]
+    assert tokens == [1, 2] and got[-1].response.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert started == ["first"], "the duplicate never ran"
+
+
+def test_health_list_answers_every_status_without_an_error_log(caplog: pytest.LogCaptureFixture) -> None:
+    """grpc.health.v1 List (grpcio-health-checking's asyncio servicer lacks it: every call logged an ERROR
+    traceback and failed UNIMPLEMENTED)."""
+    from glm5.serving import new_server, start_serving
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def go() -> health_pb2.HealthListResponse:
+        server = new_server()
+        _, port = await start_serving(server, "glm5.v1.Test", lambda s: None, "127.0.0.1", 0,
+                                      service_ready=False)  # fmt: skip
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                reply = await health_pb2_grpc.HealthStub(ch).List(health_pb2.HealthListRequest(), timeout=10)
+        finally:
+            await server.stop(None)
+        return reply
+
+    with caplog.at_level(logging.WARNING):
+        reply = asyncio.run(go())
+    status = health_pb2.HealthCheckResponse
+    assert {k: v.status for k, v in reply.statuses.items()} == {"": status.SERVING, "glm5.v1.Test": status.NOT_SERVING}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
