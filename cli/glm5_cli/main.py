@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 from glm5.errors import ConfigError, Glm5Error
-from glm5.security import add_tls_arguments
+from glm5.security import add_internal_token_arguments, add_tls_arguments
 from glm5.yamlfile import read_yaml
 
 
@@ -23,13 +23,14 @@ def _init_model(a: argparse.Namespace) -> None:
 
 def _generate(a: argparse.Namespace) -> None:
     from glm5.client import GenerateClient, sampling
-    from glm5.security import read_secrets, tls_from_args
+    from glm5.security import internal_token_from_args, read_secrets, tls_from_args
     from glm5.v1 import common_pb2, worker_pb2
 
     keys = read_secrets((), a.api_key_env, None, "API key")
+    internal = internal_token_from_args(a)
 
     async def go() -> int:
-        async with GenerateClient(a.target, tls_from_args(a), keys[0] if keys else None) as client:
+        async with GenerateClient(a.target, tls_from_args(a), keys[0] if keys else None, internal) as client:
             request = worker_pb2.GenerateRequest(
                 prompt=a.prompt,
                 sampling=sampling(
@@ -226,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host:port of a router (glm5 serve's gRPC port) or of a worker")  # fmt: skip
     g.add_argument("--api-key-env", help="environment variable holding the router's API key")
     add_tls_arguments(g)
+    add_internal_token_arguments(g)  # a worker started with one answers only callers that send it
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from glm5.errors import ConfigError
 
-from glm5_cli.serve import free_port, stop_processes, wait_serving
+from glm5_cli.serve import INTERNAL_ENV, free_port, stop_processes, wait_serving
 
 log = logging.getLogger("glm5.rl")
 ADMIN_ENV = "GLM5_ADMIN_TOKEN"
@@ -52,16 +52,18 @@ def run(a: argparse.Namespace) -> None:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     # Weight pushes need the workers' admin token: a fresh one per run, handed to the workers and the trainer in
-    # their environment (never on a command line, which `ps` shows), and loads only from the run's folder.
-    env = {**os.environ, ADMIN_ENV: secrets.token_urlsafe(32)}
+    # their environment (never on a command line, which `ps` shows), and loads only from the run's folder. Every
+    # call to the workers needs the run's internal token, handed the same way to them, the gateway and the trainer.
+    env = {**os.environ, ADMIN_ENV: secrets.token_urlsafe(32), INTERNAL_ENV: secrets.token_urlsafe(32)}
     admin = ["--admin-token-env", ADMIN_ENV]
+    internal = ["--internal-token-env", INTERNAL_ENV]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         engines = []
         for _ in range(a.workers):
             port = free_port()
             procs.append(subprocess.Popen([*python, "worker", "--model", str(model), "--host", "127.0.0.1",
-                                           "--port", str(port), *admin, "--weights-root", str(out),
+                                           "--port", str(port), *admin, *internal, "--weights-root", str(out),
                                            *a.worker_arg], env=env))  # fmt: skip
             engines.append(f"127.0.0.1:{port}")
         for target, proc in zip(engines, procs, strict=True):
@@ -70,12 +72,13 @@ def run(a: argparse.Namespace) -> None:
         redis = ["--redis-url", a.redis_url] if a.redis_url else []
         engine_flags = [f for e in engines for f in ("--engine", e)]
         procs.append(subprocess.Popen([*python, "tito-gateway", "--host", "127.0.0.1", "--port",
-                                       gateway.rpartition(":")[2], *engine_flags, *redis]))  # fmt: skip
+                                       gateway.rpartition(":")[2], *engine_flags, *redis, *internal],
+                                      env=env))  # fmt: skip
         wait_serving(gateway, procs[-1], 60, "TITO gateway")
         trainer = subprocess.Popen([*python, "trainer", "--policy", str(model), "--gateway", gateway, *engine_flags,
                                     "--checkpoint-dir", str(out), "--environment", a.env, "--mode", a.mode,
                                     "--steps", str(a.steps), "--learning-rate", str(a.learning_rate),
-                                    "--seed", str(a.seed), *redis, *admin,
+                                    "--seed", str(a.seed), *redis, *admin, *internal,
                                     *a.trainer_arg], env=env)  # fmt: skip
         procs.append(trainer)
         code = trainer.wait()

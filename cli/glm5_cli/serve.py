@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 log = logging.getLogger("glm5.serve")
+INTERNAL_ENV = "GLM5_INTERNAL_TOKEN"  # the run's internal token, in the workers' environment only
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,8 +98,9 @@ class Supervisor:
 
     MIN_BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
 
-    def __init__(self, commands: list[list[str]], targets: list[str]) -> None:
+    def __init__(self, commands: list[list[str]], targets: list[str], env: dict[str, str] | None = None) -> None:
         self.commands, self.targets = commands, targets
+        self.env = env
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(commands)
         self.started = [0.0] * len(commands)
         self.backoff = [self.MIN_BACKOFF_S] * len(commands)
@@ -105,7 +108,7 @@ class Supervisor:
         self.restarts = 0
 
     def start(self, i: int) -> None:
-        self.procs[i] = subprocess.Popen(self.commands[i], env=os.environ.copy())
+        self.procs[i] = subprocess.Popen(self.commands[i], env=self.env if self.env is not None else os.environ.copy())
         self.started[i] = time.monotonic()
 
     def start_all(self, timeout: float) -> None:
@@ -151,6 +154,7 @@ class Supervisor:
 
 def run(a: argparse.Namespace) -> None:
     from glm5.model.presets import default_model_path
+    from glm5.security import Secret
     from glm5_router.config import RouterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -158,16 +162,20 @@ def run(a: argparse.Namespace) -> None:
         raise ConfigError("--workers must be >= 1")
     model = Path(a.model) if a.model else default_model_path()  # built once, before the workers race for it
     targets = [f"127.0.0.1:{free_port()}" for _ in range(a.workers)]
+    # The workers answer the router only (another local user's process reaches 127.0.0.1 too): a fresh internal
+    # token per run, in the workers' environment (never on a command line, which `ps` shows) and the router's
+    # memory; it is written nowhere.
+    token = Secret(secrets.token_urlsafe(32))
     commands = [[sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
                  "--port", t.rpartition(":")[2], "--device", a.device, "--shutdown-grace", str(a.shutdown_grace),
-                 *a.worker_arg] for t in targets]  # fmt: skip
-    supervisor = Supervisor(commands, targets)
+                 "--internal-token-env", INTERNAL_ENV, *a.worker_arg] for t in targets]  # fmt: skip
+    supervisor = Supervisor(commands, targets, {**os.environ, INTERNAL_ENV: token.value})
     try:
         supervisor.start_all(a.startup_timeout)
         config = RouterConfig(
             workers=tuple(targets), host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
             redis_url=a.redis_url, thinking_policy=a.thinking_policy, sm4_key_dir=a.sm4_key_dir,
-            no_worker_timeout_s=a.no_worker_timeout,
+            no_worker_timeout_s=a.no_worker_timeout, internal_token=token,
         )  # fmt: skip
         asyncio.run(_serve(config, supervisor, a.shutdown_grace))
     finally:

@@ -7,8 +7,10 @@ from typing import Any
 
 import grpc
 
-from glm5.security import NO_TLS, Secret, TlsConfig, channel
+from glm5.security import NO_TLS, Secret, TlsConfig, channel, internal_metadata
 from glm5.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+WORKER_METHODS = tuple(m.name for m in worker_pb2.DESCRIPTOR.services_by_name["Worker"].methods)
 
 
 def sampling(**kwargs: Any) -> common_pb2.SamplingParams:
@@ -16,10 +18,34 @@ def sampling(**kwargs: Any) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(**{k: v for k, v in kwargs.items() if v is not None})
 
 
+class _WithMetadata:
+    """A stub method that sends `metadata` with every call, ahead of the caller's own."""
+
+    __slots__ = ("call", "metadata")
+
+    def __init__(self, call: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.call, self.metadata = call, metadata
+
+    def __call__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> Any:
+        return self.call(*args, metadata=(*self.metadata, *(metadata or ())), **kwargs)
+
+
+def worker_stub(ch: grpc.aio.Channel, internal_token: Secret | None = None) -> worker_pb2_grpc.WorkerStub:
+    """A Worker stub whose every call carries the deployment's internal token (when there is one). Per-call
+    metadata, not a client interceptor: grpc.aio runs an intercepted stream's writes and reads through extra
+    tasks and queues, and the router's GenerateStream carries every token."""
+    stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
+    meta = internal_metadata(internal_token)
+    if meta:
+        for name in WORKER_METHODS:
+            setattr(stub, name, _WithMetadata(getattr(stub, name), meta))
+    return stub
+
+
 class WorkerClient:
-    def __init__(self, target: str, tls: TlsConfig = NO_TLS) -> None:
+    def __init__(self, target: str, tls: TlsConfig = NO_TLS, internal_token: Secret | None = None) -> None:
         self.channel = channel(target, tls)
-        self.stub = worker_pb2_grpc.WorkerStub(self.channel)  # type: ignore[no-untyped-call]
+        self.stub = worker_stub(self.channel, internal_token)
 
     async def __aenter__(self) -> WorkerClient:
         return self
@@ -44,11 +70,14 @@ class WorkerClient:
 
 class GenerateClient:
     """Generate against a router (glm5.v1.Router, what `glm5 serve` exposes) or a worker: the router's API is
-    tried first, and a server that does not have it (UNIMPLEMENTED) is asked as a worker."""
+    tried first, and a server that does not have it (UNIMPLEMENTED) is asked as a worker (with `internal_token`,
+    which only workers are sent)."""
 
-    def __init__(self, target: str, tls: TlsConfig = NO_TLS, api_key: Secret | None = None) -> None:
+    def __init__(self, target: str, tls: TlsConfig = NO_TLS, api_key: Secret | None = None,
+                 internal_token: Secret | None = None) -> None:  # fmt: skip
         self.channel = channel(target, tls)
         self.metadata = (("authorization", f"Bearer {api_key.value}"),) if api_key is not None else ()
+        self.internal_token = internal_token
 
     async def __aenter__(self) -> GenerateClient:
         return self
@@ -71,6 +100,6 @@ class GenerateClient:
         except grpc.aio.AioRpcError as exc:
             if started or exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
-        worker = worker_pb2_grpc.WorkerStub(self.channel)  # type: ignore[no-untyped-call]
+        worker = worker_stub(self.channel, self.internal_token)
         async for resp in worker.Generate(request, timeout=timeout, metadata=self.metadata):
             yield resp

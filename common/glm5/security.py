@@ -6,6 +6,8 @@
   connections to a TLS port fail the handshake.
 - API keys (vLLM's `--api-key`): `Authorization: Bearer <key>` on HTTP and as gRPC metadata; several keys
   at once so they can rotate; compared in constant time.
+- The internal token: a worker started with one answers only callers that send it (its router, gateway and
+  trainer), whatever else reaches its port; health checks stay open for the kubelet's probes.
 - Admin RPCs (UpdateWeights): callers named by their client certificate (CN or a SAN) under mutual TLS, or
   holding the shared admin token otherwise. With neither configured they are refused.
 Secrets come from flags, environment variables or files (a mounted Kubernetes Secret) and never reach a log
@@ -29,9 +31,12 @@ import grpc
 from glm5.errors import ConfigError
 
 ADMIN_TOKEN_METADATA = "x-glm5-admin-token"
+# the deployment's internal token: every call to a worker but its health checks carries it (docs/security.md)
+INTERNAL_TOKEN_METADATA = "x-glm5-internal-token"
 LOOPBACK = "127.0.0.1"
-# services any caller may reach even when API keys are required: probes and discovery of the API itself
-OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+# services any caller may reach even when a credential is required: the kubelet's probes carry none. Reflection is
+# not among them: it describes the API to whoever may call it
+OPEN_SERVICES = ("grpc.health.v1.Health",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +213,7 @@ def _service(method: str) -> str:
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """`authorization: Bearer <key>` metadata on every call but health checks and reflection."""
+    """`authorization: Bearer <key>` metadata on every call but health checks (reflection included)."""
 
     def __init__(self, keys: Sequence[Secret]) -> None:
         self.keys = tuple(keys)
@@ -222,6 +227,49 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED,
                               "a valid API key is required: metadata 'authorization: Bearer <key>'")  # fmt: skip
         return handler
+
+
+class InternalTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The deployment's internal token as x-glm5-internal-token metadata on every call but health checks
+    (reflection included): a worker answers its own router, gateway and trainer, not whatever reaches its port."""
+
+    def __init__(self, token: Secret) -> None:
+        self.token = token
+
+    async def intercept_service(self, continuation: Continuation,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:  # fmt: skip
+        handler = await continuation(details)
+        if handler is None or _service(details.method) in OPEN_SERVICES:
+            return handler
+        presented = _metadata(details, INTERNAL_TOKEN_METADATA)
+        if not (presented and self.token.matches(presented)):
+            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED,
+                              f"this server answers its deployment's internal callers only: metadata "
+                              f"'{INTERNAL_TOKEN_METADATA}' is missing or wrong")  # fmt: skip
+        return handler
+
+
+def add_internal_token_arguments(p: argparse.ArgumentParser, server: bool = False) -> None:
+    """--internal-token-file / --internal-token-env: a server requires the token, a client sends it."""
+    g = p.add_argument_group("internal token (docs/security.md)")
+    role = ("every call but health checks must carry it (without it: any caller, for local development only)"
+            if server else "sent to the workers with every call")  # fmt: skip
+    g.add_argument("--internal-token-file", help=f"file holding the deployment's internal token (a mounted Secret): "
+                   f"{role}")  # fmt: skip
+    g.add_argument("--internal-token-env", help="environment variable holding that token")
+
+
+def internal_token_from_args(a: argparse.Namespace) -> Secret | None:
+    """The internal token of --internal-token-file / --internal-token-env; naming a source that holds none is an
+    error (a worker would otherwise answer anyone)."""
+    tokens = read_secrets((), a.internal_token_env, a.internal_token_file, "internal token")
+    if not tokens and (a.internal_token_env or a.internal_token_file):
+        raise ConfigError("internal token: --internal-token-file / --internal-token-env holds no token")
+    return tokens[0] if tokens else None
+
+
+def internal_metadata(token: Secret | None) -> tuple[tuple[str, str], ...]:
+    return ((INTERNAL_TOKEN_METADATA, token.value),) if token is not None else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,15 +367,18 @@ def is_loopback(host: str) -> bool:
 
 __all__ = [
     "ADMIN_TOKEN_METADATA",
+    "INTERNAL_TOKEN_METADATA",
     "LOOPBACK",
     "NO_ADMIN",
     "NO_TLS",
     "AdminInterceptor",
     "AdminPolicy",
     "ApiKeyInterceptor",
+    "InternalTokenInterceptor",
     "Secret",
     "TlsConfig",
     "add_admin_arguments",
+    "add_internal_token_arguments",
     "add_port",
     "add_tls_arguments",
     "admin_metadata",
@@ -336,6 +387,8 @@ __all__ = [
     "any_matches",
     "bearer",
     "channel",
+    "internal_metadata",
+    "internal_token_from_args",
     "is_loopback",
     "read_secrets",
     "redact_url",

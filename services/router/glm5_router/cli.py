@@ -10,7 +10,14 @@ import logging
 import os
 
 from glm5.errors import ConfigError
-from glm5.security import TlsConfig, add_tls_arguments, read_secrets, tls_from_args
+from glm5.security import (
+    TlsConfig,
+    add_internal_token_arguments,
+    add_tls_arguments,
+    internal_token_from_args,
+    read_secrets,
+    tls_from_args,
+)
 
 from glm5_router.config import BreakerConfig, RouterConfig
 from glm5_router.server.app import serve_until_signal
@@ -68,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-require-client-cert", action="store_true",
                    help="with --tls-ca: callers of the router's gRPC API need client certificates too (the "
                    "workers' mTLS always does); default: TLS plus API keys")  # fmt: skip
+    add_internal_token_arguments(p)
     lim = p.add_argument_group("what one request may hold (docs/router.md, Limits)")
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="HTTP body size")
     lim.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
@@ -128,6 +136,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         thinking_policy=a.thinking_policy, light_thinking_budget=a.light_thinking_budget,
         stream_interval=a.stream_interval,
         tls=dataclasses.replace(tls_from_args(a), require_client_cert=a.tls_require_client_cert),
+        internal_token=internal_token_from_args(a),
         http_tls=TlsConfig(a.http_tls_cert, a.http_tls_key),
         api_keys=read_secrets(a.api_key, a.api_key_env, a.api_key_file, "API keys"),
         require_sealed=a.require_sealed, replay_window_s=a.replay_window, max_request_bytes=a.max_request_bytes,

@@ -71,6 +71,7 @@ class RouterConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     # who may call and how (docs/security.md)
     tls: TlsConfig = NO_TLS  # gRPC server, and the router's client side to the workers
+    internal_token: Secret | None = None  # sent to the workers with every call (their --internal-token-*)
     http_tls: TlsConfig = NO_TLS  # HTTPS for the OpenAI API
     api_keys: tuple[Secret, ...] = ()  # required as Bearer tokens on /v1/* and the gRPC API when set
     require_sealed: bool = False  # only SM4-sealed requests (gRPC); the HTTP API then refuses generation

@@ -10,7 +10,13 @@ import signal
 import grpc
 from glm5.errors import ConfigError
 from glm5.rl.buffer import InProcessBuffer, RedisBuffer, RolloutBuffer
-from glm5.security import LOOPBACK, add_tls_arguments, tls_from_args
+from glm5.security import (
+    LOOPBACK,
+    add_internal_token_arguments,
+    add_tls_arguments,
+    internal_token_from_args,
+    tls_from_args,
+)
 from glm5.serving import freeze_heap, new_server, start_serving
 from glm5.v1 import tito_pb2, tito_pb2_grpc
 
@@ -33,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_s)
     p.add_argument("--redis-url", help="rollout buffer as a Redis stream (default: in-process)")
     add_tls_arguments(p)
+    add_internal_token_arguments(p)
 
 
 def config_from_args(a: argparse.Namespace) -> GatewayConfig:
@@ -46,7 +53,8 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(engines=tuple(a.engine), engine_dns=a.engine_dns, tokenizer_fingerprint=fp,
                          vnodes=a.virtual_nodes,
                          virtual_node_reserve=a.virtual_node_reserve, load_bound=a.load_bound,
-                         heartbeat_s=a.heartbeat_interval, tls=tls_from_args(a))  # fmt: skip
+                         heartbeat_s=a.heartbeat_interval, tls=tls_from_args(a),
+                         internal_token=internal_token_from_args(a))  # fmt: skip
 
 
 async def start_gateway(

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 import grpc
+from glm5.client import worker_stub
 from glm5.errors import InvalidRequestError
 from glm5.rl.buffer import RolloutBuffer
-from glm5.security import NO_TLS, TlsConfig
+from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -41,6 +42,7 @@ class GatewayConfig:
     missed_heartbeats: int = 3  # a rank that misses this many in a row is removed and its rollouts re-homed
     max_rollouts: int = 100000
     tls: TlsConfig = NO_TLS  # served over TLS, and used to reach the engines
+    internal_token: Secret | None = None  # sent to the engines with every call (their --internal-token-*)
 
 
 @dataclass(eq=False)
@@ -96,7 +98,7 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
                 addresses |= set(self.engines)  # keep what we had; heartbeats decide
         for address in addresses - set(self.engines):
             channel = secure_channel(address, self.config.tls)
-            self.engines[address] = Engine(address, channel, worker_pb2_grpc.WorkerStub(channel))  # type: ignore[no-untyped-call]
+            self.engines[address] = Engine(address, channel, worker_stub(channel, self.config.internal_token))
 
     async def _heartbeat_all(self) -> None:
         await self._discover()
@@ -107,7 +109,10 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
             info = await e.stub.GetModelInfo(
                 worker_pb2.GetModelInfoRequest(), timeout=max(0.5, self.config.heartbeat_s)
             )
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED and e.missed == 0:  # a configuration error: once
+                log.error("rank %s refuses the gateway's calls (UNAUTHENTICATED): give the gateway the engines' "
+                          "internal token (--internal-token-file / --internal-token-env)", e.address)  # fmt: skip
             e.missed += 1
             if e.missed >= self.config.missed_heartbeats and e.address in self.ring.loads:
                 log.warning("rank %s missed %d heartbeats: removed, its rollouts re-home", e.address, e.missed)

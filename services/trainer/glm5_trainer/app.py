@@ -10,7 +10,13 @@ import signal
 from pathlib import Path
 
 from glm5.errors import ConfigError
-from glm5.security import add_tls_arguments, admin_token_from_args, tls_from_args
+from glm5.security import (
+    add_internal_token_arguments,
+    add_tls_arguments,
+    admin_token_from_args,
+    internal_token_from_args,
+    tls_from_args,
+)
 
 from glm5_trainer.loop import MODES, Result, RLConfig, RLRun
 from glm5_trainer.loss import PRESETS, TrustRegion
@@ -65,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve GET /status (progress as JSON) and /healthz on this port (0: off)")  # fmt: skip
     p.add_argument("--status-host", default="127.0.0.1", help="address of the status endpoint")
     add_tls_arguments(p)
+    add_internal_token_arguments(p)
     g = p.add_argument_group("weight pushes (docs/security.md)")
     g.add_argument("--admin-token-file", help="file holding the engines' admin token, sent with UpdateWeights")
     g.add_argument("--admin-token-env", help="environment variable holding that token")
@@ -94,6 +101,7 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             progress=not a.no_progress,
             completion_file=Path(a.completion_file) if a.completion_file else None, tls=tls_from_args(a),
             admin_token=admin_token_from_args(a), weights_transport=a.weights_transport,
+            internal_token=internal_token_from_args(a),
         )  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

@@ -84,6 +84,7 @@ class RLConfig:
     completion_file: Path | None = None  # written when the job has taken its `steps`
     tls: TlsConfig = NO_TLS  # to the gateway and the engines (mutual TLS when it has a CA)
     admin_token: Secret | None = None  # sent with UpdateWeights (the engines' --admin-token-*)
+    internal_token: Secret | None = None  # sent with every call to the engines (their --internal-token-*)
     weights_transport: str = "path"  # versions.TRANSPORTS: the engines read out/ (shared), or get it streamed
 
     def __post_init__(self) -> None:
@@ -250,7 +251,7 @@ class RLRun:
         problems = self.eval_problems[: self.c.eval_size]
         if not problems:
             return None
-        clients = [WorkerClient(e, self.c.tls) for e in await self.live_engines()]
+        clients = [WorkerClient(e, self.c.tls, self.c.internal_token) for e in await self.live_engines()]
         slots = asyncio.Semaphore(32 * len(clients))
 
         async def one(i: int, p: Problem) -> Outcome:
@@ -302,7 +303,7 @@ class RLRun:
 
         async def probe(address: str) -> tuple[str, int | None]:
             try:
-                async with WorkerClient(address, self.c.tls) as client:
+                async with WorkerClient(address, self.c.tls, self.c.internal_token) as client:
                     info = await client.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
                 return address, int(info.weight_version)
             except grpc.aio.AioRpcError as exc:
@@ -330,6 +331,7 @@ class RLRun:
                     tls=self.c.tls,
                     admin_token=self.c.admin_token,
                     transport=self.c.weights_transport,
+                    internal_token=self.c.internal_token,
                 )
                 for e in engines
             ),

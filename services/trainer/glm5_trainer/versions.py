@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from glm5.client import worker_stub
 from glm5.model.loader import save_checkpoint
 from glm5.security import NO_TLS, Secret, TlsConfig, admin_metadata
 from glm5.security import channel as secure_channel
@@ -102,7 +103,7 @@ PUSH_CHUNK_BYTES = 4 << 20  # the worker's per-message limit (glm5_worker.server
 
 async def sync_workers(workers: list[str], version: int, location: Path, timeout: float = 600.0,
                        tls: TlsConfig = NO_TLS, admin_token: Secret | None = None,
-                       transport: str = "path") -> dict[str, float]:  # fmt: skip
+                       transport: str = "path", internal_token: Secret | None = None) -> dict[str, float]:  # fmt: skip
     """Pushes a published version to every worker in parallel; returns each worker's wall seconds (raises on a
     failure). transport "path": UpdateWeights names the folder, which the workers read from a volume they share
     with the trainer; "stream": PushWeights sends the folder's files over gRPC (nothing shared)."""
@@ -112,7 +113,7 @@ async def sync_workers(workers: list[str], version: int, location: Path, timeout
         start = time.perf_counter()
         meta = admin_metadata(admin_token)
         async with secure_channel(address, tls) as ch:
-            stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
+            stub = worker_stub(ch, internal_token)
             if transport == "stream":
                 await _push(stub, _chunks(location, version, files), timeout, meta)
             else:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from glm5.client import worker_stub
 from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
 from glm5.tokenizer.tokenizer import Tokenizer
@@ -39,6 +40,7 @@ class Worker:
     outstanding_tokens: int = 0  # sum of max_new_tokens of requests assigned and not finished
     in_flight: int = 0
     excluded: str = ""  # why it is never used (tokenizer mismatch)
+    refused: bool = False  # its last answer was UNAUTHENTICATED (the router lacks the internal token): logged once
     requests: WorkerStream = field(init=False)  # Generate requests, multiplexed over one stream
 
     def __post_init__(self) -> None:
@@ -117,7 +119,7 @@ class WorkerPool:
             self.workers[address] = Worker(
                 address,
                 channel,
-                worker_pb2_grpc.WorkerStub(channel),  # type: ignore[no-untyped-call]
+                worker_stub(channel, self.config.internal_token),  # every call carries the internal token
                 CircuitBreaker(
                     self.config.breaker,
                     on_transition=self._breaker_hook(address),
@@ -173,12 +175,17 @@ class WorkerPool:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.healthy and await self._serving(worker):
                 return  # busy, not sick: its health service answers; the last stats stand
+            refused = exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            if refused and not worker.refused:  # a configuration error, not a worker starting up: say so once
+                log.error("worker %s refuses the router's calls (UNAUTHENTICATED): give the router the workers' "
+                          "internal token (--internal-token-file / --internal-token-env)", worker.address)  # fmt: skip
+            worker.refused = refused
             if worker.healthy:
                 log.warning("worker %s unhealthy: %s %s", worker.address, exc.code().name, exc.details())
                 self.on_change()
             worker.healthy = False
             return
-        worker.stats = stats
+        worker.stats, worker.refused = stats, False
         worker.breaker.observe(stats)
         if not worker.healthy:
             log.info("worker %s healthy", worker.address)

@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from glm5.security import LOOPBACK, NO_ADMIN, NO_TLS, AdminInterceptor, AdminPolicy, TlsConfig
+from glm5.security import (
+    LOOPBACK,
+    NO_ADMIN,
+    NO_TLS,
+    AdminInterceptor,
+    AdminPolicy,
+    InternalTokenInterceptor,
+    Secret,
+    TlsConfig,
+    is_loopback,
+)
 from glm5.serving import freeze_heap, new_server, start_health_server, start_serving
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2
@@ -51,13 +61,15 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 @dataclass(frozen=True, slots=True)
 class ServerSecurity:
-    """Who may reach the worker and how: TLS (mutual with a CA), the admin policy of UpdateWeights, and the only
-    directory UpdateWeights may load from (None: it is refused)."""
+    """Who may reach the worker and how: TLS (mutual with a CA), the internal token every call but health checks
+    must carry (None: any caller, for local development only), the admin policy of UpdateWeights on top of it, and
+    the only directory UpdateWeights may load from (None: it is refused)."""
 
     tls: TlsConfig = NO_TLS
     admin: AdminPolicy = NO_ADMIN
     weights_root: Path | None = None
     health_port: int | None = None  # plain-text health checks on their own port (for probes, when TLS is on)
+    internal_token: Secret | None = None
 
 
 @dataclass(slots=True)
@@ -90,7 +102,9 @@ async def start_worker(
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_not_serving(holder, lost)))
 
     engine = await AsyncEngine.start(functools.partial(Engine, config), on_fatal)
-    server = new_server([RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
+    # the internal token first: a call without it is refused before anything else looks at it
+    token = [InternalTokenInterceptor(security.internal_token)] if security.internal_token is not None else []
+    server = new_server([*token, RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
     clear_staging(security.weights_root)
     service = WorkerService(engine, security.weights_root)
     await service.prime()
@@ -114,8 +128,12 @@ async def start_worker(
             raise
     if engine.fatal is not None:  # lost before the health service existed
         await _not_serving(holder, lost)
-    log.info("worker serving %s on %s:%d%s", engine.engine.served_model_name, host, bound,
-             " over TLS" if security.tls.enabled else "")  # fmt: skip
+    log.info("worker serving %s on %s:%d%s%s", engine.engine.served_model_name, host, bound,
+             " over TLS" if security.tls.enabled else "",
+             ", internal token required" if security.internal_token is not None else "")  # fmt: skip
+    if security.internal_token is None and not is_loopback(host):
+        log.warning("no --internal-token-file / --internal-token-env: any process that reaches %s:%d may call this "
+                    "worker (for local development only)", host, bound)  # fmt: skip
     return WorkerServer(server, engine, health, bound, lost, health_server)
 
 
