@@ -1,9 +1,10 @@
 """SM4-GCM payload envelopes (GB/T 32907-2016 block cipher, GCM as in RFC 8998).
 
-A sealed message is `Envelope{key_id, nonce, ciphertext || tag, sequence}`: a fresh random 96-bit nonce per
-message, a 16-byte tag, and associated data binding it to its request id and sequence number, so a chunk
-cannot be moved to another request or replayed within its stream. Keys carry ids so they can rotate: a ring
-holds every key still accepted and names the one that seals. ECB is never used (no IV, leaks patterns).
+A sealed message is `Envelope{key_id, nonce, ciphertext || tag, sequence, issued_at_ms}`: a fresh random 96-bit
+nonce per message, a 16-byte tag, and associated data binding it to its purpose (request, response chunk or
+error), its request id, sequence number and sealing time, so a chunk cannot be moved to another request, passed
+off as an error (or the reverse), or replayed within its stream. Keys carry ids so they can rotate: a ring holds
+every key still accepted and names the one that seals. ECB is never used (no IV, leaks patterns).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -26,6 +28,8 @@ KEY_BYTES = 16
 NONCE_BYTES = 12
 TAG_BYTES = 16
 ACTIVE_FILE = "active"  # in a key directory: the id of the key that seals
+AD_LABEL = b"glm5.v1.Envelope/"  # then the purpose: what the sealed bytes are
+Purpose = Literal["request", "response", "error"]
 DEFAULT_SKEW_S = 30.0  # how far in the future a sealed request may be dated (or the replay window, if shorter)
 
 
@@ -42,8 +46,11 @@ class Sealed:
     issued_at_ms: int = 0  # authenticated: a replay window can trust it
 
 
-def associated_data(request_id: str, sequence: int, issued_at_ms: int = 0) -> bytes:
-    return (request_id.encode() + b"\0" + sequence.to_bytes(8, "big")
+def associated_data(purpose: Purpose, request_id: str, sequence: int, issued_at_ms: int = 0) -> bytes:
+    # the label separates the kinds of sealed message (an error's plaintext must never parse as a chunk's); the
+    # request id is length-prefixed, so no two inputs give the same bytes
+    rid = request_id.encode()
+    return (AD_LABEL + purpose.encode() + b"\0" + len(rid).to_bytes(4, "big") + rid + sequence.to_bytes(8, "big")
             + issued_at_ms.to_bytes(8, "big", signed=True))  # fmt: skip
 
 
@@ -78,15 +85,16 @@ class KeyRing:
             keys[f.name] = _decode_key(f.name, f.read_bytes())
         return cls(keys, active)
 
-    def seal(self, plaintext: bytes, request_id: str, sequence: int = 0, issued_at_ms: int | None = None) -> Sealed:
+    def seal(self, plaintext: bytes, request_id: str, sequence: int = 0, issued_at_ms: int | None = None,
+             purpose: Purpose = "request") -> Sealed:  # fmt: skip
         nonce = os.urandom(NONCE_BYTES)
         issued = int(time.time() * 1000) if issued_at_ms is None else issued_at_ms
         enc = Cipher(algorithms.SM4(self.keys[self.active]), modes.GCM(nonce)).encryptor()
-        enc.authenticate_additional_data(associated_data(request_id, sequence, issued))
+        enc.authenticate_additional_data(associated_data(purpose, request_id, sequence, issued))
         body = enc.update(plaintext) + enc.finalize()
         return Sealed(self.active, nonce, body + enc.tag, sequence, issued)
 
-    def open(self, sealed: Sealed, request_id: str) -> bytes:
+    def open(self, sealed: Sealed, request_id: str, purpose: Purpose = "request") -> bytes:
         key = self.keys.get(sealed.key_id)
         if key is None:
             raise EnvelopeError(f"unknown key id {sealed.key_id!r}")
@@ -96,11 +104,13 @@ class KeyRing:
             raise EnvelopeError("ciphertext is shorter than the GCM tag")
         body, tag = sealed.ciphertext[:-TAG_BYTES], sealed.ciphertext[-TAG_BYTES:]
         dec = Cipher(algorithms.SM4(key), modes.GCM(sealed.nonce, tag)).decryptor()
-        dec.authenticate_additional_data(associated_data(request_id, sealed.sequence, sealed.issued_at_ms))
+        dec.authenticate_additional_data(associated_data(purpose, request_id, sealed.sequence, sealed.issued_at_ms))
         try:
             return dec.update(body) + dec.finalize()
         except InvalidTag:
-            raise EnvelopeError("authentication failed: wrong key, tampered data or wrong request") from None
+            raise EnvelopeError(
+                f"authentication failed: wrong key, tampered data, wrong request or not a sealed {purpose}"
+            ) from None
 
 
 class ReplayGuard:
@@ -172,7 +182,8 @@ class ReplayGuard:
 
 class StreamOpener:
     """Opens the chunks of one sealed stream in order: sequence numbers must increase by one from 1, so a
-    replayed, dropped or reordered chunk is rejected."""
+    replayed, dropped or reordered chunk is rejected. A sealed error takes the next number: it opens only after
+    every chunk before it did."""
 
     def __init__(self, ring: KeyRing, request_id: str) -> None:
         self.ring = ring
@@ -180,9 +191,15 @@ class StreamOpener:
         self.next_sequence = 1
 
     def open(self, sealed: Sealed) -> bytes:
+        return self._open(sealed, "response")
+
+    def open_error(self, sealed: Sealed) -> bytes:
+        return self._open(sealed, "error")
+
+    def _open(self, sealed: Sealed, purpose: Purpose) -> bytes:
         if sealed.sequence != self.next_sequence:
             raise EnvelopeError(f"chunk sequence {sealed.sequence}, expected {self.next_sequence} (replayed or lost)")
-        plaintext = self.ring.open(sealed, self.request_id)
+        plaintext = self.ring.open(sealed, self.request_id, purpose)
         self.next_sequence += 1
         return plaintext
 

@@ -25,27 +25,29 @@ _sym_db = _symbol_database.Default()
 from glm5.v1 import worker_pb2 as glm5_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/router.proto\x12\x07glm5.v1\x1a\x14glm5/v1/worker.proto\"e\n\x08\x45nvelope\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x12\n\nciphertext\x18\x03 \x01(\x0c\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x05 \x01(\x03\"\xf8\x01\n\x15RouterGenerateRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.glm5.v1.GenerateRequest\x12!\n\x06sealed\x18\x02 \x01(\x0b\x32\x11.glm5.v1.Envelope\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x08priority\x18\x04 \x01(\x0e\x32\x11.glm5.v1.Priority\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\'\n\x08thinking\x18\x06 \x01(\x0e\x32\x15.glm5.v1.ThinkingMode\x12\x0c\n\x04\x63hat\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"\xa8\x01\n\x16RouterGenerateResponse\x12+\n\x08response\x18\x01 \x01(\x0b\x32\x19.glm5.v1.GenerateResponse\x12!\n\x06sealed\x18\x02 \x01(\x0b\x32\x11.glm5.v1.Envelope\x12\x17\n\x0freasoning_delta\x18\x03 \x01(\t\x12\x15\n\rcontent_delta\x18\x04 \x01(\t\x12\x0e\n\x06worker\x18\x05 \x01(\t\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.glm5.v1.ModelInfo*K\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRIORITY_SHORT\x10\x01\x12\x11\n\rPRIORITY_LONG\x10\x02*u\n\x0cThinkingMode\x12\x1d\n\x19THINKING_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11THINKING_MODE_OFF\x10\x01\x12\x17\n\x13THINKING_MODE_LIGHT\x10\x02\x12\x16\n\x12THINKING_MODE_DEEP\x10\x03\x32\x9e\x01\n\x06Router\x12M\n\x08Generate\x12\x1e.glm5.v1.RouterGenerateRequest\x1a\x1f.glm5.v1.RouterGenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.glm5.v1.ListModelsRequest\x1a\x1b.glm5.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14glm5/v1/router.proto\x12\x07glm5.v1\x1a\x14glm5/v1/worker.proto\"e\n\x08\x45nvelope\x12\x0e\n\x06key_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x12\n\nciphertext\x18\x03 \x01(\x0c\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x14\n\x0cissued_at_ms\x18\x05 \x01(\x03\"\xf8\x01\n\x15RouterGenerateRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.glm5.v1.GenerateRequest\x12!\n\x06sealed\x18\x02 \x01(\x0b\x32\x11.glm5.v1.Envelope\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x08priority\x18\x04 \x01(\x0e\x32\x11.glm5.v1.Priority\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12\'\n\x08thinking\x18\x06 \x01(\x0e\x32\x15.glm5.v1.ThinkingMode\x12\x0c\n\x04\x63hat\x18\x07 \x01(\x08\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"\xa8\x01\n\x16RouterGenerateResponse\x12+\n\x08response\x18\x01 \x01(\x0b\x32\x19.glm5.v1.GenerateResponse\x12!\n\x06sealed\x18\x02 \x01(\x0b\x32\x11.glm5.v1.Envelope\x12\x17\n\x0freasoning_delta\x18\x03 \x01(\t\x12\x15\n\rcontent_delta\x18\x04 \x01(\t\x12\x0e\n\x06worker\x18\x05 \x01(\t\",\n\x0bRouterError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x13\n\x11ListModelsRequest\"8\n\x12ListModelsResponse\x12\"\n\x06models\x18\x01 \x03(\x0b\x32\x12.glm5.v1.ModelInfo*K\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRIORITY_SHORT\x10\x01\x12\x11\n\rPRIORITY_LONG\x10\x02*u\n\x0cThinkingMode\x12\x1d\n\x19THINKING_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11THINKING_MODE_OFF\x10\x01\x12\x17\n\x13THINKING_MODE_LIGHT\x10\x02\x12\x16\n\x12THINKING_MODE_DEEP\x10\x03\x32\x9e\x01\n\x06Router\x12M\n\x08Generate\x12\x1e.glm5.v1.RouterGenerateRequest\x1a\x1f.glm5.v1.RouterGenerateResponse0\x01\x12\x45\n\nListModels\x12\x1a.glm5.v1.ListModelsRequest\x1a\x1b.glm5.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'glm5.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=659
-  _globals['_PRIORITY']._serialized_end=734
-  _globals['_THINKINGMODE']._serialized_start=736
-  _globals['_THINKINGMODE']._serialized_end=853
+  _globals['_PRIORITY']._serialized_start=705
+  _globals['_PRIORITY']._serialized_end=780
+  _globals['_THINKINGMODE']._serialized_start=782
+  _globals['_THINKINGMODE']._serialized_end=899
   _globals['_ENVELOPE']._serialized_start=55
   _globals['_ENVELOPE']._serialized_end=156
   _globals['_ROUTERGENERATEREQUEST']._serialized_start=159
   _globals['_ROUTERGENERATEREQUEST']._serialized_end=407
   _globals['_ROUTERGENERATERESPONSE']._serialized_start=410
   _globals['_ROUTERGENERATERESPONSE']._serialized_end=578
-  _globals['_LISTMODELSREQUEST']._serialized_start=580
-  _globals['_LISTMODELSREQUEST']._serialized_end=599
-  _globals['_LISTMODELSRESPONSE']._serialized_start=601
-  _globals['_LISTMODELSRESPONSE']._serialized_end=657
-  _globals['_ROUTER']._serialized_start=856
-  _globals['_ROUTER']._serialized_end=1014
+  _globals['_ROUTERERROR']._serialized_start=580
+  _globals['_ROUTERERROR']._serialized_end=624
+  _globals['_LISTMODELSREQUEST']._serialized_start=626
+  _globals['_LISTMODELSREQUEST']._serialized_end=645
+  _globals['_LISTMODELSRESPONSE']._serialized_start=647
+  _globals['_LISTMODELSRESPONSE']._serialized_end=703
+  _globals['_ROUTER']._serialized_start=902
+  _globals['_ROUTER']._serialized_end=1060
 # @@protoc_insertion_point(module_scope)

@@ -76,6 +76,14 @@ class RouterGenerateResponse(_message.Message):
     worker: str
     def __init__(self, response: _Optional[_Union[_worker_pb2.GenerateResponse, _Mapping]] = ..., sealed: _Optional[_Union[Envelope, _Mapping]] = ..., reasoning_delta: _Optional[str] = ..., content_delta: _Optional[str] = ..., worker: _Optional[str] = ...) -> None: ...
 
+class RouterError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 from glm5.client import sampling
-from glm5.crypto.envelopes import open_stream_message, seal_message
+from glm5.crypto.envelopes import open_stream_message, seal_request
 from glm5.crypto.sm4 import KeyRing, StreamOpener
 from glm5.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 
@@ -319,7 +319,7 @@ def test_sealed_requests_and_responses(stack: dict[str, Any]) -> None:
     async def go() -> tuple[str, list[router_pb2.RouterGenerateResponse]]:
         async with grpc.aio.insecure_channel(stack["grpc"]) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
-            req = router_pb2.RouterGenerateRequest(request_id="r-sealed", sealed=seal_message(ring, inner, "r-sealed"))
+            req = seal_request(ring, router_pb2.RouterGenerateRequest(request=inner), "r-sealed")
             sealed = [r async for r in stub.Generate(req, timeout=120)]
             plain = [r async for r in stub.Generate(router_pb2.RouterGenerateRequest(request=inner), timeout=120)]
             return "".join(r.response.text for r in plain), sealed
@@ -338,8 +338,9 @@ def test_sealed_requests_and_responses(stack: dict[str, Any]) -> None:
                     pass
             return err.value
 
-    env = seal_message(ring, inner, "r-2")
-    wrong_key = seal_message(KeyRing({"k1": bytes(16)}), inner, "r-2")
+    routed = router_pb2.RouterGenerateRequest(request=inner)
+    env = seal_request(ring, routed, "r-2").sealed
+    wrong_key = seal_request(KeyRing({"k1": bytes(16)}), routed, "r-2").sealed
     tampered = router_pb2.Envelope(
         key_id=env.key_id, nonce=env.nonce, ciphertext=bytes([env.ciphertext[0] ^ 1]) + env.ciphertext[1:]
     )
@@ -348,6 +349,7 @@ def test_sealed_requests_and_responses(stack: dict[str, Any]) -> None:
         (router_pb2.RouterGenerateRequest(request_id="r-other", sealed=env), "authentication failed"),
         (router_pb2.RouterGenerateRequest(sealed=env), "request_id"),
         (router_pb2.RouterGenerateRequest(request_id="r-2", sealed=wrong_key), "authentication failed"),
+        (router_pb2.RouterGenerateRequest(request_id="r-2", sealed=env, request=inner), "outside the envelope"),
     ]:  # fmt: skip
         err = asyncio.run(bad(req))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (err.details() or "")

@@ -1,6 +1,7 @@
 """Authentication and transport security end to end: a worker serving mutual TLS with an admin identity, a router
 that reaches it over mTLS, serves HTTPS and gRPC over TLS and wants API keys, and a sealed-only router that
-refuses plain requests and replayed envelopes. Real processes, the official openai client."""
+refuses plain requests, replayed envelopes and envelopes replayed with other routing fields, and whose errors
+for a sealed request say nothing of its payload in the clear. Real processes, the official openai client."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import httpx2
 import openai
 import pytest
 from glm5.client import sampling
-from glm5.crypto.envelopes import seal_message
-from glm5.crypto.sm4 import KeyRing
+from glm5.crypto.envelopes import SEALED_ERROR_KEY, open_error, open_stream_message, seal_request
+from glm5.crypto.sm4 import KeyRing, StreamOpener
 from glm5.security import NO_TLS, TlsConfig, channel
-from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from glm5.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.certs import TestCA
@@ -148,42 +149,108 @@ def test_router_grpc_wants_tls_and_an_api_key(secured: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def sealed_only(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("sm4")
-    (folder / "k1").write_text(SM4_KEY.hex())
+    (folder / "keys").mkdir()
+    (folder / "keys" / "k1").write_text(SM4_KEY.hex())
     worker, target = start_worker(tiny_model, *WORKER_FLAGS)
-    router, grpc_target, base = start_router([target], "--sm4-key-dir", str(folder), "--require-sealed",
-                                             "--replay-window", "60")  # fmt: skip
+    router, grpc_target, base = start_router([target], "--sm4-key-dir", str(folder / "keys"), "--require-sealed",
+                                             "--replay-window", "60", log=folder / "router.log")  # fmt: skip
     try:
-        yield {"grpc": grpc_target, "base": base}
+        yield {"grpc": grpc_target, "base": base, "log": folder / "router.log"}
     finally:
         stop(router)
         stop(worker)
 
 
+async def _send(target: str, req: router_pb2.RouterGenerateRequest) -> list[router_pb2.RouterGenerateResponse]:
+    async with grpc.aio.insecure_channel(target) as ch:
+        return [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=60)]
+
+
+def _refused(target: str, req: router_pb2.RouterGenerateRequest) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(_send(target, req))
+    return err.value
+
+
 def test_sealed_only_router_refuses_plain_and_replayed_requests(sealed_only: dict[str, Any]) -> None:
     ring = KeyRing({"k1": SM4_KEY})
     inner = worker_pb2.GenerateRequest(prompt="1 + 1", sampling=sampling(max_new_tokens=3, temperature=0))
-    envelope = seal_message(ring, inner, "r-once")
-
-    async def send(req: router_pb2.RouterGenerateRequest) -> list[router_pb2.RouterGenerateResponse]:
-        async with grpc.aio.insecure_channel(sealed_only["grpc"]) as ch:
-            return [r async for r in router_pb2_grpc.RouterStub(ch).Generate(req, timeout=60)]
-
-    first = asyncio.run(send(router_pb2.RouterGenerateRequest(request_id="r-once", sealed=envelope)))
+    once = seal_request(ring, router_pb2.RouterGenerateRequest(request=inner), "r-once")
+    first = asyncio.run(_send(sealed_only["grpc"], once))
     assert first and all(r.HasField("sealed") for r in first)
+    old = seal_request(ring, router_pb2.RouterGenerateRequest(request=inner), "r-old", issued_at_ms=1000)
     for req, message in [
-        (router_pb2.RouterGenerateRequest(request_id="r-once", sealed=envelope), "already served"),  # replay
+        (once, "already served"),  # replay
         (router_pb2.RouterGenerateRequest(request=inner), "only SM4-sealed"),
-        (router_pb2.RouterGenerateRequest(request_id="r-old",
-                                          sealed=seal_message(ring, inner, "r-old", issued_at_ms=1000)), "older"),
-    ]:  # fmt: skip
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            asyncio.run(send(req))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (err.value.details() or "")
+        (old, "older"),
+    ]:
+        err = _refused(sealed_only["grpc"], req)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (err.details() or "")
     client = openai.OpenAI(base_url=sealed_only["base"], api_key="none", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError) as denied:
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "1 + 1"}])
     assert "sealed" in denied.value.message
     assert client.models.list().data  # listing models reveals no payload
+
+
+def test_a_captured_envelope_with_other_outer_fields_is_refused(sealed_only: dict[str, Any]) -> None:
+    """Routing fields are inside the envelope: a copy of a captured request with chat, thinking, session_id,
+    priority, model or request changed outside it is refused before the envelope is opened (so the original is
+    still served), and the fields inside are the ones that count."""
+    ring = KeyRing({"k1": SM4_KEY})
+    inner = worker_pb2.GenerateRequest(prompt="1 + 1", sampling=sampling(max_new_tokens=2, temperature=0))
+    captured = seal_request(ring, router_pb2.RouterGenerateRequest(request=inner), "r-captured")
+    changes: list[dict[str, Any]] = [
+        {"chat": True}, {"thinking": router_pb2.THINKING_MODE_DEEP}, {"session_id": "attacker"},
+        {"priority": router_pb2.PRIORITY_LONG}, {"model": "glm5-tiny"}, {"request": inner},
+    ]  # fmt: skip
+    for change in changes:
+        tampered = router_pb2.RouterGenerateRequest(**change)
+        tampered.MergeFrom(captured)
+        err = _refused(sealed_only["grpc"], tampered)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, change
+        assert "outside the envelope" in (err.details() or "") and next(iter(change)) in (err.details() or "")
+
+    def prompt_tokens(request_id: str, chat: bool) -> int:
+        req = seal_request(ring, router_pb2.RouterGenerateRequest(request=inner, chat=chat), request_id)
+        opener = StreamOpener(ring, request_id)
+        out = [open_stream_message(opener, r.sealed, router_pb2.RouterGenerateResponse)
+               for r in asyncio.run(_send(sealed_only["grpc"], req))]  # fmt: skip
+        return out[-1].response.usage.prompt_tokens
+
+    opener = StreamOpener(ring, "r-captured")
+    served = [open_stream_message(opener, r.sealed, router_pb2.RouterGenerateResponse)
+              for r in asyncio.run(_send(sealed_only["grpc"], captured))]  # fmt: skip
+    assert served[-1].response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED  # the original is served
+    assert prompt_tokens("r-chat", chat=True) > prompt_tokens("r-raw", chat=False)  # `chat` inside takes effect
+
+
+def test_errors_of_a_sealed_request_are_sealed(sealed_only: dict[str, Any]) -> None:
+    """A sealed bad regex, out-of-vocabulary ids and an unknown model: the status says only that the request failed;
+    the reason (which quotes the payload) comes sealed in the trailing metadata, and the payload appears nowhere in
+    the clear: not in the status details, the trailing metadata or the router's log."""
+    ring = KeyRing({"k1": SM4_KEY})
+    marker, oov = "TOP-SECRET-PATTERN(((", 91827364
+    bad_regex = worker_pb2.GenerateRequest(prompt="1 + 1", sampling=sampling(
+        max_new_tokens=2, structured_output=common_pb2.StructuredOutput(regex=marker)))  # fmt: skip
+    cases = [
+        (router_pb2.RouterGenerateRequest(request=bad_regex), marker),
+        (router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(prompt_token_ids=[5, oov])), str(oov)),
+        (router_pb2.RouterGenerateRequest(request=bad_regex, model="model-TOP-SECRET"), "model-TOP-SECRET"),
+    ]
+    for i, (routed, secret) in enumerate(cases):
+        request_id = f"r-bad-{i}"
+        err = _refused(sealed_only["grpc"], seal_request(ring, routed, request_id))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        clear = [err.details() or "", err.debug_error_string() or ""]
+        clear += [v if isinstance(v, str) else v.decode("latin-1") for _, v in err.trailing_metadata() or ()]
+        assert SEALED_ERROR_KEY in clear[0] and not any(secret in text or marker in text for text in clear)
+        reason = open_error(StreamOpener(ring, request_id), err.trailing_metadata())
+        assert reason is not None and reason.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert secret in reason.message  # the client learns why
+    log = sealed_only["log"].read_text()
+    assert "router: gRPC on" in log  # the router's own log, INFO and up
+    assert marker not in log and str(oov) not in log and "model-TOP-SECRET" not in log
 
 
 def test_a_replay_to_another_router_replica_is_refused(tiny_model: Path, tmp_path: Path) -> None:
@@ -198,7 +265,7 @@ def test_a_replay_to_another_router_replica_is_refused(tiny_model: Path, tmp_pat
     routers = [start_router([target], *flags) for _ in range(2)]
     ring = KeyRing({"k1": SM4_KEY})
     inner = worker_pb2.GenerateRequest(prompt="1 + 1", sampling=sampling(max_new_tokens=2, temperature=0))
-    request = router_pb2.RouterGenerateRequest(request_id="r-shared", sealed=seal_message(ring, inner, "r-shared"))
+    request = seal_request(ring, router_pb2.RouterGenerateRequest(request=inner), "r-shared")
 
     async def send(grpc_target: str) -> int:
         async with grpc.aio.insecure_channel(grpc_target) as ch:

@@ -6,10 +6,20 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from glm5.crypto.envelopes import open_message, open_stream_message, seal_message
+from glm5.crypto.envelopes import (
+    OUTER_FIELDS,
+    SEALED_ERROR_KEY,
+    StreamSealer,
+    from_proto,
+    open_error,
+    open_message,
+    open_stream_message,
+    seal_message,
+    seal_request,
+)
 from glm5.crypto.sm4 import EnvelopeError, KeyRing, ReplayGuard, Sealed, StreamOpener
 from glm5.errors import ConfigError
-from glm5.v1 import worker_pb2
+from glm5.v1 import router_pb2, worker_pb2
 
 KEY = bytes.fromhex("0123456789abcdeffedcba9876543210")
 
@@ -62,7 +72,7 @@ def test_tampered_wrong_key_wrong_request_and_unknown_key_are_rejected() -> None
 
 def test_stream_chunks_reject_replay_and_reorder() -> None:
     ring = KeyRing({"k1": KEY})
-    chunks = [ring.seal(f"chunk {i}".encode(), "req-1", sequence=i) for i in (1, 2, 3)]
+    chunks = [ring.seal(f"chunk {i}".encode(), "req-1", sequence=i, purpose="response") for i in (1, 2, 3)]
     opener = StreamOpener(ring, "req-1")
     assert opener.open(chunks[0]) == b"chunk 1"
     with pytest.raises(EnvelopeError, match="replayed or lost"):
@@ -187,5 +197,42 @@ def test_protobuf_envelopes() -> None:
     assert b"secret" not in env.ciphertext
     assert open_message(ring, env, worker_pb2.GenerateRequest, "r1") == req
     opener = StreamOpener(ring, "r1")
-    chunk = seal_message(ring, worker_pb2.GenerateResponse(text="answer"), "r1", sequence=1)
+    chunk = seal_message(ring, worker_pb2.GenerateResponse(text="answer"), "r1", sequence=1, purpose="response")
     assert open_stream_message(opener, chunk, worker_pb2.GenerateResponse).text == "answer"
+
+
+def test_a_sealed_request_holds_every_routing_field() -> None:
+    ring = KeyRing({"k1": KEY})
+    routed = router_pb2.RouterGenerateRequest(
+        request=worker_pb2.GenerateRequest(prompt="secret"), model="m", priority=router_pb2.PRIORITY_LONG,
+        session_id="s", thinking=router_pb2.THINKING_MODE_DEEP, chat=True, request_id="ignored",
+    )  # fmt: skip
+    outer = seal_request(ring, routed, "r1")
+    assert {f.name for f, _ in outer.ListFields()} == {"request_id", "sealed"} == OUTER_FIELDS
+    inner = open_message(ring, outer.sealed, router_pb2.RouterGenerateRequest, "r1")
+    assert inner.model == "m" and inner.chat and inner.session_id == "s" and inner.request.prompt == "secret"
+    assert inner.priority == router_pb2.PRIORITY_LONG and inner.thinking == router_pb2.THINKING_MODE_DEEP
+    assert not inner.request_id and not inner.HasField("sealed")
+
+
+def test_purposes_do_not_mix_and_a_sealed_error_follows_the_chunks() -> None:
+    """The associated data names what was sealed: a request, a response chunk and an error cannot stand in for
+    one another, even with the same request id and sequence number."""
+    ring = KeyRing({"k1": KEY})
+    sealer = StreamSealer(ring, "r1")
+    chunk = sealer.seal(router_pb2.RouterGenerateResponse(content_delta="hi"))
+    trailer = (("other", "x"), (SEALED_ERROR_KEY, sealer.seal_error(3, "regex: bad pattern SECRET(((")))
+    as_error = from_proto(router_pb2.Envelope.FromString(trailer[1][1]))
+    with pytest.raises(EnvelopeError, match="not a sealed response"):
+        StreamOpener(ring, "r1").open(Sealed("k1", as_error.nonce, as_error.ciphertext, 1, as_error.issued_at_ms))
+    with pytest.raises(EnvelopeError, match="not a sealed error"):
+        StreamOpener(ring, "r1").open_error(from_proto(chunk))
+    with pytest.raises(EnvelopeError, match="not a sealed request"):
+        ring.open(from_proto(seal_message(ring, router_pb2.RouterGenerateResponse(), "r1", purpose="response")), "r1")
+    opener = StreamOpener(ring, "r1")
+    with pytest.raises(EnvelopeError, match="replayed or lost"):  # the error is number 2: after the chunk
+        open_error(opener, trailer)
+    assert open_stream_message(opener, chunk, router_pb2.RouterGenerateResponse).content_delta == "hi"
+    error = open_error(opener, trailer)
+    assert error is not None and error.code == 3 and "SECRET(((" in error.message
+    assert open_error(StreamOpener(ring, "r1"), (("other", "x"),)) is None  # an error sent in the clear
