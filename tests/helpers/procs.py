@@ -129,13 +129,13 @@ def start_router(
     return proc, f"127.0.0.1:{grpc_port}", base + "/v1"
 
 
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    """A real redis-server on a free localhost port (no persistence): (process, redis:// URL)."""
+def start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A real redis-server on a free localhost port, or `port` (a restart), without persistence: (process, URL)."""
     import shutil
 
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed: apt-get install -y redis-server (.ci/run does)"
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir)], stdout=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 20

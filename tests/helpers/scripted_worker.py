@@ -7,7 +7,7 @@ tokenizer, so token ids and the tokenizer fingerprint are genuine. The prompt pi
 - contains THINK  -> "<think>I add 2 and 3.</think>The answer is 5."
 - contains TOOL   -> a get_weather tool call (BADTOOL: a call to an unknown tool)
 - contains FAIL_BEFORE -> UNAVAILABLE before any token;  FAIL_AFTER -> two chunks, then UNAVAILABLE
-- contains SLOW   -> 50 ms between chunks
+- contains SLOW   -> 50 ms between chunks;  PAUSE -> 6 s between the first chunk and the second
 (`stream_interval` is honoured: chunks are held back until that many tokens are ready, the last one carries the rest)
 - otherwise       -> `max_new_tokens` chunks of " token" (one token each)
 
@@ -47,6 +47,7 @@ SCRIPTS = {
     "TOOL": ["<think>Need the weather.</think>", "Checking.", "<tool_call>get_weather<arg_key>city</arg_key>",
              "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"],
 }  # fmt: skip
+PAUSE_S = 6.0  # longer than redis-py's 5 s socket timeout: what once turned a slow token into a 500
 
 
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
@@ -100,6 +101,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
             if "THINK" in prompt and tail.endswith("</think>") and not tail.endswith("<think></think>"):
                 script = ["The answer ", "is 5."]  # a continuation after forced </think>: answer only
             delay = 0.05 if "SLOW" in prompt else 0.0
+            pause = PAUSE_S if "PAUSE" in prompt else 0.0
             total = 0
             held: worker_pb2.GenerateResponse | None = None  # stream_interval: tokens held back so far
             for i, text in enumerate(script):
@@ -125,6 +127,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
                     yield resp
                 if delay:
                     await asyncio.sleep(delay)
+                if pause and i == 0:
+                    await asyncio.sleep(pause)
         finally:
             self.running -= 1
 

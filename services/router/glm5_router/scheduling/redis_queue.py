@@ -9,6 +9,12 @@ a router restart.
   request still runs once; the client gets its output by sending the same request id again
   (X-Request-Id / request_id), which attaches to the existing stream instead of queueing a duplicate.
 - Results are kept for `result_ttl_s`, then the id can be used afresh.
+- A request whose client leaves, or that fails on the client's router (deadline, no worker, Redis unreachable), is
+  abandoned: taken out of the queue if no router claimed it yet (its id is free again), otherwise marked
+  `glm5:cancel:<id>`, which the router running it checks while it streams and then cancels the worker's job.
+  A router that is shutting down abandons nothing: its clients come back with their ids.
+- Every blocking read waits at most `block_s`, well under the connection's `socket_timeout_s`, so a long wait for a
+  token is never a socket timeout; an unreachable Redis is retried for `outage_s`, then answered UNAVAILABLE (503).
 """
 
 from __future__ import annotations
@@ -18,19 +24,22 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from glm5.errors import CapacityError, DeadlineError, InvalidRequestError, UnavailableError
 from glm5.v1 import worker_pb2
+from redis.exceptions import RedisError
 
 from glm5_router.scheduling.dispatcher import Dispatcher, WorkerStatusError
 from glm5_router.scheduling.job import Job
 from glm5_router.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 SHORT, LONG = "queue:short", "queue:long"
 MEDIUM_OFFSET = 1e12  # medium prompts sort after every short one in queue:short
 # Pop from the short queue, else from the long one unless it is paused: one atomic step.
@@ -47,6 +56,15 @@ class RedisSettings:
     result_ttl_s: float = 3600.0
     claims_per_worker: int = 8  # requests this router takes from the shared queue per routable worker
     poll_s: float = 0.05
+    block_s: float = 1.0  # longest blocking read (XREAD BLOCK) ...
+    socket_timeout_s: float = 10.0  # ... well under the connection's read timeout (redis-py's default is 5 s)
+    outage_s: float = 10.0  # how long an unreachable Redis is retried before a request fails UNAVAILABLE
+    cancel_check_s: float = 0.5  # how often a router running a request looks for its client's cancel mark
+    no_worker_timeout_s: float = 10.0  # an unclaimed request with no routable worker here fails 503 after this
+
+    def __post_init__(self) -> None:
+        if not 0 < self.block_s < self.socket_timeout_s:
+            raise ValueError("the blocking read must be shorter than the socket timeout")
 
 
 def _error_entry(exc: BaseException) -> dict[Any, Any]:
@@ -70,7 +88,10 @@ class SharedQueue:
     def __init__(self, settings: RedisSettings, dispatcher: Dispatcher, pool: WorkerPool, max_queued: int,
                  long_pause_kv_usage: float) -> None:  # fmt: skip
         self.settings = settings
-        self.redis: aioredis.Redis = aioredis.from_url(settings.url)
+        self.redis: aioredis.Redis = aioredis.from_url(
+            settings.url, socket_timeout=settings.socket_timeout_s, socket_connect_timeout=settings.socket_timeout_s,
+            health_check_interval=30,
+        )  # fmt: skip
         self.dispatcher = dispatcher
         self.pool = pool
         self.max_queued = max_queued
@@ -78,6 +99,8 @@ class SharedQueue:
         self._pop = self.redis.register_script(POP)
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
+        self._abandoning: set[asyncio.Task[None]] = set()
+        self.closing = False  # set first thing on shutdown: relays cut by it abandon nothing
 
     async def start(self) -> None:
         await self.redis.ping()
@@ -88,6 +111,9 @@ class SharedQueue:
         return bool(await self.redis.set(f"glm5:sealed:{key}", 1, nx=True, px=max(1, int(seconds * 1000))))
 
     async def close(self, grace: float) -> None:
+        self.closing = True
+        if self._abandoning:
+            await asyncio.wait(self._abandoning, timeout=grace)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -105,29 +131,84 @@ class SharedQueue:
             "max_new_tokens": job.max_new_tokens, "lane": job.lane, "affinity": job.affinity_key or "",
             "deadline": time.time() + max(0.0, job.deadline - time.monotonic()),
         }  # fmt: skip
-        created = await self.redis.set(key, json.dumps(meta), nx=True, ex=int(self.settings.result_ttl_s))
+        created = await self._retried(lambda: self.redis.set(key, json.dumps(meta), nx=True,
+                                                             ex=int(self.settings.result_ttl_s)))  # fmt: skip
         if created:
-            queued = await self.redis.zcard(SHORT) + await self.redis.zcard(LONG)
-            if queued >= self.max_queued:
-                await self.redis.delete(key)
-                raise CapacityError(f"the shared queue is full ({self.max_queued} requests); retry later")
-            if job.lane == "long":
-                await self.redis.zadd(LONG, {job.id: job.kv_cost})
+            await self._enqueue(job, key)
+        finished = False
+        try:
+            async for resp in self._relay(job):
+                yield resp
+            finished = True
+        finally:
+            if not finished and not self.closing:  # the client left or its request failed here: stop the work
+                task = asyncio.get_running_loop().create_task(self._abandon(job.id))
+                self._abandoning.add(task)
+                task.add_done_callback(self._abandoning.discard)
+
+    async def _enqueue(self, job: Job, key: str) -> None:
+        queued = await self._retried(self._depth)
+        if queued >= self.max_queued:
+            await self._retried(lambda: self.redis.delete(key))
+            raise CapacityError(f"the shared queue is full ({self.max_queued} requests); retry later")
+        if job.lane == "long":
+            await self._retried(lambda: self.redis.zadd(LONG, {job.id: job.kv_cost}))
+        else:
+            arrival = time.time() + (MEDIUM_OFFSET if job.lane == "medium" else 0.0)
+            await self._retried(lambda: self.redis.zadd(SHORT, {job.id: arrival}))
+
+    async def _depth(self) -> int:
+        return int(await self.redis.zcard(SHORT)) + int(await self.redis.zcard(LONG))
+
+    async def _abandon(self, job_id: str) -> None:
+        """Take an abandoned request out of the queue (its id is free again) or, once claimed, mark it cancelled."""
+        try:
+            removed = await self.redis.zrem(SHORT, job_id) + await self.redis.zrem(LONG, job_id)
+            if removed:
+                await self.redis.delete(f"glm5:req:{job_id}")
             else:
-                arrival = time.time() + (MEDIUM_OFFSET if job.lane == "medium" else 0.0)
-                await self.redis.zadd(SHORT, {job.id: arrival})
-        async for resp in self._relay(job):
-            yield resp
+                await self.redis.set(f"glm5:cancel:{job_id}", 1, ex=int(self.settings.result_ttl_s))
+        except RedisError as exc:  # the request runs on; its output expires unread
+            log.warning("could not abandon %s in the shared queue: %s", job_id, type(exc).__name__)
+
+    async def _retried(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call` until it succeeds or Redis stayed unreachable for `outage_s`: then UNAVAILABLE (503)."""
+        since = time.monotonic()
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except RedisError as exc:
+                if time.monotonic() - since >= self.settings.outage_s:
+                    raise UnavailableError(f"the shared queue (Redis) is unreachable: {type(exc).__name__}; "
+                                           "retry later") from None  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
 
     async def _relay(self, job: Job) -> AsyncIterator[worker_pb2.GenerateResponse]:
         stream, last = f"glm5:resp:{job.id}", "0-0"
         started = False
+        no_worker_since: float | None = None
         while True:
-            timeout = None if started else job.deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                raise DeadlineError("the request waited past its deadline in the shared queue")
-            block_ms = int(1000 * min(timeout if timeout is not None else 5.0, 5.0)) or 1
-            entries: Any = await self.redis.xread({stream: last}, count=64, block=block_ms)
+            now = time.monotonic()
+            if self.closing:  # the request stays queued (or runs on where it was claimed) for the client's return
+                raise UnavailableError(f"the router is stopping; send request {job.id!r} again (X-Request-Id) to "
+                                       "get its output")  # fmt: skip
+            if not started:
+                if now >= job.deadline:
+                    raise DeadlineError("the request waited past its deadline in the shared queue")
+                no_worker_since = None if self.pool.routable() else (no_worker_since or now)
+                waited = now - no_worker_since if no_worker_since is not None else 0.0
+                if waited >= self.settings.no_worker_timeout_s and await self._retried(partial(self._unqueue, job.id)):
+                    raise UnavailableError(
+                        f"no worker is available (down, restarting or ejected) after "
+                        f"{self.settings.no_worker_timeout_s:g}s; retry later"
+                    )
+            wait = self.settings.block_s if started else min(self.settings.block_s, job.deadline - now)
+            read = partial(self.redis.xread, {stream: last}, count=64, block=max(1, int(1000 * wait)))
+            entries: Any = await self._retried(read)
+            if not entries and not await self._retried(partial(self.redis.exists, f"glm5:req:{job.id}")):
+                raise UnavailableError("the request was lost by the shared queue (Redis restarted); retry")
             for _, items in entries or []:
                 for entry_id, fields in items:
                     last = entry_id
@@ -142,15 +223,32 @@ class SharedQueue:
                     elif "end" in data:
                         return
 
+    async def _unqueue(self, job_id: str) -> bool:
+        """True when `job_id` was still queued (no router claimed it) and is now removed with its request."""
+        removed = await self.redis.zrem(SHORT, job_id) + await self.redis.zrem(LONG, job_id)
+        if removed:
+            await self.redis.delete(f"glm5:req:{job_id}")
+        return bool(removed)
+
     # -- the worker side: claim queued requests while this router has capacity ------------------------
 
     async def _consume(self) -> None:
+        failing = False
         while True:
             try:
-                if not await self._claim_one():
+                claimed = await self._claim_one()
+                if failing:
+                    log.info("shared queue reachable again")
+                    failing = False
+                if not claimed:
                     await asyncio.sleep(self.settings.poll_s)
             except asyncio.CancelledError:
                 raise
+            except RedisError as exc:  # an outage: one line, then quiet retries until it is back
+                if not failing:
+                    log.warning("shared queue unreachable (%s): retrying", type(exc).__name__)
+                failing = True
+                await asyncio.sleep(1.0)
             except Exception:
                 log.exception("shared queue consumer failed")
                 await asyncio.sleep(1.0)
@@ -183,10 +281,38 @@ class SharedQueue:
         try:
             if remaining <= 0:
                 raise DeadlineError("the request waited past its deadline in the shared queue")
-            async for resp in self.dispatcher.submit(job):
-                await self.redis.xadd(stream, {"r": resp.SerializeToString()})
-            await self.redis.xadd(stream, {"end": "1"})
+            checked = time.monotonic()
+            async with contextlib.aclosing(self.dispatcher.submit(job)) as responses:
+                async for resp in responses:
+                    await self._retried(partial(self.redis.xadd, stream, {"r": resp.SerializeToString()}))
+                    if time.monotonic() - checked >= self.settings.cancel_check_s:
+                        checked = time.monotonic()
+                        if await self._cancelled(job_id):
+                            break  # leaving the stream cancels the worker's job
+                else:
+                    await self._retried(lambda: self.redis.xadd(stream, {"end": "1"}))
+                    return
+            log.info("request %s cancelled: its client left", job_id)
+            await self._retried(lambda: self.redis.xadd(stream, {"error": "cancelled", "message": "cancelled"}))
+        except UnavailableError as exc:
+            if "shared queue" in str(exc):  # Redis itself is gone: nobody can read an error entry either
+                log.warning("request %s stopped: %s", job_id, exc)
+                return
+            await self._write_error(stream, exc)
         except Exception as exc:  # the client sees it as its status code
-            await self.redis.xadd(stream, _error_entry(exc))
+            await self._write_error(stream, exc)
         finally:
-            await self.redis.expire(stream, int(self.settings.result_ttl_s))
+            with contextlib.suppress(RedisError):
+                await self.redis.expire(stream, int(self.settings.result_ttl_s))
+
+    async def _cancelled(self, job_id: str) -> bool:
+        try:
+            return bool(await self.redis.exists(f"glm5:cancel:{job_id}"))
+        except RedisError:
+            return False  # cannot tell: keep serving
+
+    async def _write_error(self, stream: str, exc: BaseException) -> None:
+        try:
+            await self._retried(lambda: self.redis.xadd(stream, _error_entry(exc)))
+        except UnavailableError:
+            log.warning("could not record the error of %s: the shared queue is unreachable", stream)

@@ -51,6 +51,8 @@ class RouterApp:
     readiness: asyncio.Task[None] | None = None
 
     async def stop(self, grace: float = 10.0) -> None:
+        if self.shared is not None:
+            self.shared.closing = True  # the requests cut short by the stop stay queued for the clients' return
         if self.readiness is not None:
             self.readiness.cancel()
         await self.health.enter_graceful_shutdown()
@@ -81,8 +83,9 @@ async def start_router(config: RouterConfig) -> RouterApp:
     dispatcher.start()
     shared = None
     if config.redis_url:
-        shared = SharedQueue(RedisSettings(config.redis_url), dispatcher, pool, config.max_queued,
-                             config.long_pause_kv_usage)  # fmt: skip
+        settings = RedisSettings(config.redis_url, claims_per_worker=config.redis_claims_per_worker,
+                                 no_worker_timeout_s=config.no_worker_timeout_s)  # fmt: skip
+        shared = SharedQueue(settings, dispatcher, pool, config.max_queued, config.long_pause_kv_usage)
         try:
             await shared.start()
         except (OSError, RedisError) as exc:
