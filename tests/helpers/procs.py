@@ -17,6 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 # UpdateWeights needs an admin caller and a weights root: workers started here get the token in their environment
 ADMIN_ENV = "GLM5_TEST_ADMIN_TOKEN"
 ADMIN_TOKEN = Secret("test-admin-token")
+# and the internal token (workers that get --internal-token-env INTERNAL_ENV require it on every call)
+INTERNAL_ENV = "GLM5_TEST_INTERNAL_TOKEN"
+INTERNAL_TOKEN = Secret("test-internal-token")
 
 
 def admin_flags(weights_root: Path) -> tuple[str, ...]:
@@ -55,7 +58,7 @@ def start_worker(
     cmd = [sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), *extra]  # fmt: skip
     out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the process
-    env = {**os.environ, ADMIN_ENV: ADMIN_TOKEN.value}
+    env = {**os.environ, ADMIN_ENV: ADMIN_TOKEN.value, INTERNAL_ENV: INTERNAL_TOKEN.value}
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     target = f"127.0.0.1:{port}"
     wait_serving(target, proc=proc, tls=tls)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.helpers.procs import free_port, wait_http
 
@@ -33,6 +34,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _workers_answer_only_the_router(workers: list[int], log: Path) -> None:
+    """Every run has its own internal token, in the workers' environment: not on their command lines, not in the
+    log; a call without it is refused, health checks stay open."""
+    import grpc
+    from glm5.security import INTERNAL_TOKEN_METADATA
+    from glm5.v1 import worker_pb2, worker_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tokens = set()
+    for pid in workers:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        environ = dict(e.split(b"=", 1) for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+        name = argv[argv.index(b"--internal-token-env") + 1]
+        token = environ[name].decode()
+        tokens.add(token)
+        assert len(token) >= 32 and not any(token.encode() in a for a in argv)
+        assert token not in log.read_text()
+        with grpc.insecure_channel(f"127.0.0.1:{argv[argv.index(b'--port') + 1].decode()}") as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10,
+                                     metadata=((INTERNAL_TOKEN_METADATA, token),)).served_model_name  # fmt: skip
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert len(tokens) == 1  # one per run, shared by its workers
+
+
 def test_glm5_serve_runs_the_stack_and_stops_cleanly(tmp_path: Path) -> None:
     http_port, grpc_port = free_port(), free_port()
     log = tmp_path / "serve.log"
@@ -51,6 +81,7 @@ def test_glm5_serve_runs_the_stack_and_stops_cleanly(tmp_path: Path) -> None:
                                                max_tokens=8)  # fmt: skip
         assert reply.usage is not None and reply.usage.completion_tokens > 0
         assert "OpenAI HTTP: http://localhost:" in log.read_text()
+        _workers_answer_only_the_router(children, log)
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         code = proc.wait(60)
