@@ -45,6 +45,14 @@ class Cluster:
             return {}
         return {} if obj.deleted else dict(obj.raw)
 
+    def secret(self, name: str, key: str) -> str:
+        """A key of a stored Secret (data base64-encoded, or stringData as the operator writes it)."""
+        import base64
+
+        obj = self.get("v1/secrets", name)
+        data = {k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}
+        return {**data, **(obj.get("stringData") or {})}[key]
+
     def condition(self, resource: str, name: str, kind: str) -> dict[str, Any]:
         conds = (self.get(resource, name).get("status") or {}).get("conditions") or []
         return next((c for c in conds if c["type"] == kind), {})

@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 from glm5.client import sampling
-from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from tests.e2e.conftest import EXAMPLES, Cluster, needs_pods
 
@@ -58,6 +58,12 @@ async def test_cpu_example_becomes_ready_answers_scales_and_survives_a_killed_wo
     )  # fmt: skip
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert "42" in text
+    # the router reached the worker with the deployment's internal token; a caller without it is refused
+    async with grpc.aio.insecure_channel(f"{cluster.runner.pods['tiny-worker-0'].ip}:50051") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await worker_pb2_grpc.WorkerStub(ch).GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert cluster.secret("tiny-internal", "token")
 
     # `kubectl scale` (the scale subresource) to two replicas: a second worker pod; the router uses it too
     await cluster.kubectl("scale", "glm5deployment/tiny", "--replicas=2")

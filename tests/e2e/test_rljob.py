@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from glm5.security import INTERNAL_TOKEN_METADATA
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.e2e.conftest import EXAMPLES, Cluster, needs_pods
@@ -18,9 +19,12 @@ pytestmark = [pytest.mark.asyncio, needs_pods]
 DEPLOYMENTS, RLJOBS = "glm5.ai/v1alpha1/glm5deployments", "glm5.ai/v1alpha1/rljobs"
 
 
-async def _weight_version(address: str) -> int:
+async def _weight_version(address: str, token: str) -> int:
+    """What a worker serves, asked with its deployment's internal token (nothing answers without it)."""
     async with grpc.aio.insecure_channel(address) as ch:
-        info = await worker_pb2_grpc.WorkerStub(ch).GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+        info = await worker_pb2_grpc.WorkerStub(ch).GetModelInfo(
+            worker_pb2.GetModelInfoRequest(), timeout=10, metadata=((INTERNAL_TOKEN_METADATA, token),)
+        )
     return int(info.weight_version)
 
 
@@ -65,7 +69,7 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     # the rollout workers serve it: it reached them over gRPC (they mount neither the trainer's claim nor any
     # other volume it wrote to)
     worker = cluster.runner.pods["tiny-worker-0"]
-    assert await _weight_version(f"{worker.ip}:50051") == version
+    assert await _weight_version(f"{worker.ip}:50051", cluster.secret("tiny-internal", "token")) == version
     assert not any(v.get("persistentVolumeClaim", {}).get("claimName") == status["checkpoint"]["claim"]
                    for v in worker.manifest["spec"]["volumes"])  # fmt: skip
 

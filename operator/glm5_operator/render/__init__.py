@@ -32,6 +32,7 @@ class Child:
 def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig) -> list[Child]:
     out = [
         Child(network.admin_secret(instance, namespace), create_only=True),
+        Child(network.internal_secret(instance, namespace), create_only=True),
         Child(workers.engine_config_map(instance, namespace, spec)),
     ]
     w = spec.workers

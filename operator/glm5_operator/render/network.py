@@ -17,6 +17,11 @@ from glm5_operator.render.common import child_name, metadata, selector
 CLIENT_OF_LABEL = "glm5.ai/client-of"  # on RLJob pods: the worker instance they call
 ADMIN_DIR = "/etc/glm5/admin"  # the workers' admin token (UpdateWeights), mounted in workers and RLJob trainers
 ADMIN_FILE = "token"
+# the instance's internal token: its workers require it on every call but health checks; mounted in the workers, the
+# routers and the RLJob gateways and trainers that call them
+INTERNAL_DIR = "/etc/glm5/internal"
+INTERNAL_FILE = "token"
+INTERNAL_TOKEN_FILE = f"{INTERNAL_DIR}/{INTERNAL_FILE}"  # their --internal-token-file
 WEIGHTS_ROOT = "/var/lib/glm5/checkpoints"  # where RLJob trainers publish versions; the only place workers load from
 TLS_DIR = "/etc/glm5/tls"
 API_KEYS_DIR = "/etc/glm5/api-keys"
@@ -30,18 +35,38 @@ def admin_secret_name(instance: str) -> str:
 def admin_secret(instance: str, namespace: str) -> dict[str, Any]:
     """The workers' admin token: random, created once (never patched, so reconciling keeps it), mounted into
     the instance's workers and into the trainers of the RL jobs that push weights to them."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": metadata(admin_secret_name(instance), namespace, instance, "worker"),
-        "type": "Opaque",
-        "stringData": {ADMIN_FILE: secrets.token_urlsafe(32)},
-    }
+    return _token_secret(admin_secret_name(instance), namespace, instance, ADMIN_FILE)
 
 
 def admin_volume(instance: str) -> tuple[dict[str, Any], dict[str, Any]]:
     volume = {"name": "admin", "secret": {"secretName": admin_secret_name(instance), "defaultMode": 0o400}}
     return volume, {"name": "admin", "mountPath": ADMIN_DIR, "readOnly": True}
+
+
+def internal_secret_name(instance: str) -> str:
+    return child_name(instance, "internal")
+
+
+def internal_secret(instance: str, namespace: str) -> dict[str, Any]:
+    """The instance's internal token, created once like the admin token: every call to its workers carries it
+    (`--internal-token-file`), so reaching a worker's port is not enough to use it."""
+    return _token_secret(internal_secret_name(instance), namespace, instance, INTERNAL_FILE)
+
+
+def internal_volume(instance: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The volume and mount of `instance`'s internal token (the workers', or those a client of them calls)."""
+    volume = {"name": "internal", "secret": {"secretName": internal_secret_name(instance), "defaultMode": 0o400}}
+    return volume, {"name": "internal", "mountPath": INTERNAL_DIR, "readOnly": True}
+
+
+def _token_secret(name: str, namespace: str, instance: str, key: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(name, namespace, instance, "worker"),
+        "type": "Opaque",
+        "stringData": {key: secrets.token_urlsafe(32)},
+    }
 
 
 def tls_settings(spec: GLM5DeploymentSpec) -> dict[str, Any]:

@@ -21,7 +21,15 @@ from glm5_operator.render.common import (
     pod_security_context,
     selector,
 )
-from glm5_operator.render.network import ADMIN_DIR, ADMIN_FILE, CLIENT_OF_LABEL, WEIGHTS_ROOT, admin_volume
+from glm5_operator.render.network import (
+    ADMIN_DIR,
+    ADMIN_FILE,
+    CLIENT_OF_LABEL,
+    INTERNAL_TOKEN_FILE,
+    WEIGHTS_ROOT,
+    admin_volume,
+    internal_volume,
+)
 from glm5_operator.render.workers import ACCELERATOR_RESOURCE, ALL_INTERFACES, model_volume, worker_address
 
 GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
@@ -82,6 +90,7 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "ema-decay": t.ema_decay,
         "checkpoint-dir": CHECKPOINT_DIR,
         "admin-token-file": f"{ADMIN_DIR}/{ADMIN_FILE}",  # the engines' token, sent with every weight push
+        "internal-token-file": INTERNAL_TOKEN_FILE,  # theirs too, sent with every call to them
         # the workers share no volume with the trainer (its checkpoint claim is ReadWriteOnce, and a referenced
         # deployment's workers were rendered without it): each version's files go to them over gRPC
         "weights-transport": "stream",
@@ -100,6 +109,7 @@ def gateway_settings(spec: RLJobSpec, engines: str) -> dict[str, Any]:
         "virtual-node-reserve": g.virtual_node_reserve,
         "load-bound": g.load_bound,
         "tokenizer-fingerprint": g.tokenizer_fingerprint,
+        "internal-token-file": INTERNAL_TOKEN_FILE,  # the engines answer only callers that send it
     }
 
 
@@ -132,6 +142,8 @@ def _pod(
     if probe_port is not None:
         container["readinessProbe"] = grpc_probe(probe_port, 5, 3)
         container["livenessProbe"] = grpc_probe(probe_port, 20, 3)
+    internal, internal_mount = internal_volume(client_of)  # the token of the workers it calls
+    container["volumeMounts"].append(internal_mount)
     return {
         "metadata": {
             "labels": {**labels(job, component), CLIENT_OF_LABEL: client_of},  # the workers' NetworkPolicy
@@ -144,6 +156,7 @@ def _pod(
             "volumes": [
                 {"name": "rl", "configMap": {"name": child_name(job, "rl")}},
                 {"name": "tmp", "emptyDir": {}},
+                internal,
             ],
         },
     }

@@ -22,7 +22,14 @@ from glm5_operator.render.common import (
     pod_security_context,
     selector,
 )
-from glm5_operator.render.network import API_KEYS_DIR, API_KEYS_FILE, tls_settings, tls_volume
+from glm5_operator.render.network import (
+    API_KEYS_DIR,
+    API_KEYS_FILE,
+    INTERNAL_TOKEN_FILE,
+    internal_volume,
+    tls_settings,
+    tls_volume,
+)
 from glm5_operator.render.workers import ALL_INTERFACES, worker_address, worker_name
 
 COMPONENT = "router"
@@ -68,6 +75,7 @@ def router_settings(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> 
         **tls,
         # workers are dialled by pod address: their certificate names their Service
         "tls-server-name": f"{worker_name(instance)}.{namespace}.svc" if tls else None,
+        "internal-token-file": INTERNAL_TOKEN_FILE,  # the workers answer only callers that send it
         "http-tls-cert": tls["tls-cert"] if sec.https else None,
         "http-tls-key": tls["tls-key"] if sec.https else None,
         "api-key-file": f"{API_KEYS_DIR}/{API_KEYS_FILE}" if sec.api_key_secret else None,
@@ -109,6 +117,9 @@ def router_deployment(
     tls_volumes, tls_mounts = tls_volume(spec)
     volumes += tls_volumes
     mounts += tls_mounts
+    internal, internal_mount = internal_volume(instance)
+    volumes.append(internal)
+    mounts.append(internal_mount)
     probe_port = spec.security.health_port if spec.security.tls_secret else r.grpc_port
     ports = [
         {"name": "grpc", "containerPort": r.grpc_port, "protocol": "TCP"},

@@ -31,7 +31,16 @@ from glm5_operator.render.common import (
     pod_security_context,
     selector,
 )
-from glm5_operator.render.network import ADMIN_DIR, ADMIN_FILE, WEIGHTS_ROOT, admin_volume, tls_settings, tls_volume
+from glm5_operator.render.network import (
+    ADMIN_DIR,
+    ADMIN_FILE,
+    INTERNAL_TOKEN_FILE,
+    WEIGHTS_ROOT,
+    admin_volume,
+    internal_volume,
+    tls_settings,
+    tls_volume,
+)
 
 COMPONENT = "worker"
 ALL_INTERFACES = "0.0.0.0"  # outside Kubernetes the servers default to 127.0.0.1
@@ -117,6 +126,8 @@ def engine_settings(spec: GLM5DeploymentSpec, served_name: str) -> dict[str, Any
         "nnodes": nodes if nodes > 1 else None,
         "master-port": w.rendezvous_port if nodes > 1 else None,
         **tls_settings(spec),
+        # every call but health checks: only the instance's routers and the RL jobs' gateways and trainers
+        "internal-token-file": INTERNAL_TOKEN_FILE,
         # UpdateWeights: only holders of the instance's admin token, only from where RL trainers publish
         "admin-token-file": f"{ADMIN_DIR}/{ADMIN_FILE}",
         "weights-root": WEIGHTS_ROOT,
@@ -215,9 +226,9 @@ def _volumes(instance: str, spec: GLM5DeploymentSpec) -> tuple[list[dict[str, An
     tls_volumes, tls_mounts = tls_volume(spec)
     volumes += tls_volumes
     mounts += tls_mounts
-    admin, admin_mount = admin_volume(instance)
-    volumes.append(admin)
-    mounts.append(admin_mount)
+    for volume, mount in (internal_volume(instance), admin_volume(instance)):
+        volumes.append(volume)
+        mounts.append(mount)
     if spec.workers.accelerator == "ascend-910b":
         volumes.append({"name": "ranktable", "configMap": {"name": rank_table_name(instance)}})
         mounts.append({"name": "ranktable", "mountPath": RANK_TABLE_DIR, "readOnly": True})

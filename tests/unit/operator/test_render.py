@@ -156,9 +156,13 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "redis"]
     assert json.loads(cm["data"]["router.json"])["redis-url-file"] == f"{mount['mountPath']}/url"
     assert not pod["containers"][0]["env"]  # the URL (and its password) is not in the environment
-    secret_file = tmp_path / "url"  # what the mounted Secret holds
+    secret_file = tmp_path / "url"  # what the mounted Secrets hold
     secret_file.write_text("redis://:pw@redis.ml.svc:6379/0\n")
-    router = config_from_args(parse_args(["router", "--config", str(path), "--redis-url-file", str(secret_file)]))
+    token_file = tmp_path / "token"
+    token_file.write_text("internal-token\n")
+    router = config_from_args(parse_args(["router", "--config", str(path), "--redis-url-file", str(secret_file),
+                                          "--internal-token-file", str(token_file)]))  # fmt: skip
+    assert router.internal_token is not None and router.internal_token.value == "internal-token"
     assert router.worker_dns == "glm5-worker.ml.svc:50051" and router.served_model_name == "glm-5"
     assert router.host == "0.0.0.0"  # rendered: the server default is 127.0.0.1
     assert (router.token_budget, router.max_wait_ms, router.max_queued) == (4096, 2.0, 50)
@@ -178,7 +182,10 @@ def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
     (cm,) = [c.manifest for c in rljob_children("job", "ml", job, CONFIG, None) if c.name == "job-rl"]
     path = tmp_path / "gateway.json"
     path.write_text(cm["data"]["gateway.json"])
-    g = gateway_config(parse_args(["tito-gateway", "--config", str(path)]))
+    token_file = tmp_path / "token"  # what the mounted internal-token Secret holds
+    token_file.write_text("internal-token\n")
+    g = gateway_config(parse_args(["tito-gateway", "--config", str(path), "--internal-token-file", str(token_file)]))
+    assert g.internal_token is not None and g.internal_token.value == "internal-token"
     assert g.engine_dns == "job-rollout-worker.ml.svc:50051" and g.tokenizer_fingerprint == "a" * 64
     assert (g.virtual_node_reserve, g.load_bound) == (0.3, 1.5)
     trainer = yaml.safe_load(cm["data"]["trainer.json"])
@@ -251,12 +258,12 @@ def test_security_settings_are_checked(security: dict[str, Any], message: str) -
 def test_workers_get_an_admin_token_that_only_their_rl_trainers_share() -> None:
     spec = parse_deployment({"model": {"path": "/m"}})
     children = deployment_children("served", "ml", spec, CONFIG)
-    (secret,) = [c for c in children if c.kind == "Secret"]
+    (secret,) = [c for c in children if c.kind == "Secret" and c.name.endswith("-admin")]
     assert secret.create_only and secret.name == "served-admin"  # created once: reconciles keep the token
     assert len(secret.manifest["stringData"]["token"]) >= 40
     applied = _with_last_applied(secret.manifest)  # what Kube.apply creates: no copy of the token in an annotation
     assert "glm5.ai/last-applied" not in (applied["metadata"].get("annotations") or {})
-    again = next(c for c in deployment_children("served", "ml", spec, CONFIG) if c.kind == "Secret")
+    again = next(c for c in deployment_children("served", "ml", spec, CONFIG) if c.name == "served-admin")
     assert again.manifest["stringData"]["token"] != secret.manifest["stringData"]["token"]  # random, not derived
     engine = json.loads(next(c for c in children if c.name == "served-engine").manifest["data"]["engine.json"])
     assert (
@@ -272,6 +279,47 @@ def test_workers_get_an_admin_token_that_only_their_rl_trainers_share() -> None:
     settings = json.loads(next(c.manifest for c in rljob_children("job", "ml", job, CONFIG, spec)
                                if c.kind == "ConfigMap")["data"]["trainer.json"])  # fmt: skip
     assert settings["admin-token-file"] == "/etc/glm5/admin/token"
+
+
+def test_every_caller_of_the_workers_gets_their_internal_token() -> None:
+    """One internal-token Secret per instance, created once; mounted into its workers (which require it) and into
+    every pod that calls them: the routers, an RLJob's gateway and trainer (referenced deployment or its own
+    rollout workers); each one's --internal-token-file names the file of that Secret."""
+    spec = parse_deployment({"model": {"path": "/m"}})
+    children = deployment_children("served", "ml", spec, CONFIG)
+    (secret,) = [c for c in children if c.name == "served-internal"]
+    assert secret.kind == "Secret" and secret.create_only
+    token = secret.manifest["stringData"]["token"]
+    assert len(token) >= 40 and token != next(c for c in children if c.name == "served-admin").manifest[
+        "stringData"]["token"]  # fmt: skip
+    assert "glm5.ai/last-applied" not in (_with_last_applied(secret.manifest)["metadata"].get("annotations") or {})
+    again = next(c for c in deployment_children("served", "ml", spec, CONFIG) if c.name == "served-internal")
+    assert again.manifest["stringData"]["token"] != token  # random: the create-only Secret keeps the first one
+
+    def flags(manifests: list[dict[str, Any]], file: str) -> dict[str, Any]:
+        return dict(json.loads(next(m["data"][file] for m in manifests if file in m.get("data", {}))))
+
+    def pod_of(manifests: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+        return dict(next(m for m in manifests if (m["kind"], m["metadata"]["name"]) == (kind, name))["spec"][
+            "template"]["spec"])  # fmt: skip
+
+    def token_secret(pod: dict[str, Any], settings: dict[str, Any]) -> str:
+        volume = _mounted(pod, settings["internal-token-file"])
+        assert volume is not None and volume["secret"]["defaultMode"] == 0o400
+        return str(volume["secret"]["secretName"])
+
+    served = [c.manifest for c in children]
+    assert token_secret(pod_of(served, "StatefulSet", "served-worker"), flags(served, "engine.json")) == secret.name
+    assert token_secret(pod_of(served, "Deployment", "served-router"), flags(served, "router.json")) == secret.name
+    for rollout, instance in (({"deploymentRef": "served"}, "served"), ({"workers": {"replicas": 1}}, "job-rollout")):
+        job = parse_rljob({"policy": {"path": "/m"}, "rollout": rollout, "dataset": {"uri": "x"}})
+        manifests = [c.manifest for c in rljob_children("job", "ml", job, CONFIG, spec)]
+        assert token_secret(pod_of(manifests, "Deployment", "job-gateway"), flags(manifests, "gateway.json")) == (
+            f"{instance}-internal")  # fmt: skip
+        assert token_secret(pod_of(manifests, "StatefulSet", "job-trainer"), flags(manifests, "trainer.json")) == (
+            f"{instance}-internal")  # fmt: skip
+        own = [m["metadata"]["name"] for m in manifests if m["kind"] == "Secret"]
+        assert own == ([] if instance == "served" else ["job-rollout-admin", "job-rollout-internal"])
 
 
 def _mounted(pod: dict[str, Any], path: str) -> dict[str, Any] | None:
