@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve only SM4-sealed gRPC requests; the HTTP API refuses generation")  # fmt: skip
     p.add_argument("--replay-window", type=float, default=d.replay_window_s,
                    help="seconds a sealed request stays valid; within it each one is served once")  # fmt: skip
+    p.add_argument("--replay-skew", type=float, default=None,
+                   help="seconds a sealed request may be dated in the future (clock skew between client and router; "
+                   "default 30, at most --replay-window)")  # fmt: skip
     add_tls_arguments(p)
     p.add_argument("--tls-require-client-cert", action="store_true",
                    help="with --tls-ca: callers of the router's gRPC API need client certificates too (the "
@@ -139,7 +142,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         internal_token=internal_token_from_args(a),
         http_tls=TlsConfig(a.http_tls_cert, a.http_tls_key),
         api_keys=read_secrets(a.api_key, a.api_key_env, a.api_key_file, "API keys"),
-        require_sealed=a.require_sealed, replay_window_s=a.replay_window, max_request_bytes=a.max_request_bytes,
+        require_sealed=a.require_sealed, replay_window_s=a.replay_window,
+        replay_skew_s=a.replay_skew, max_request_bytes=a.max_request_bytes,
         max_prompt_chars=a.max_prompt_chars, max_messages=a.max_messages, max_tools=a.max_tools,
         http_idle_timeout_s=a.http_idle_timeout, http_body_timeout_s=a.http_body_timeout,
         http_max_connections=a.http_max_connections, public_metrics=a.public_metrics,

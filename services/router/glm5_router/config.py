@@ -76,6 +76,7 @@ class RouterConfig:
     api_keys: tuple[Secret, ...] = ()  # required as Bearer tokens on /v1/* and the gRPC API when set
     require_sealed: bool = False  # only SM4-sealed requests (gRPC); the HTTP API then refuses generation
     replay_window_s: float = 300.0  # a sealed request is accepted within this age, and only once
+    replay_skew_s: float | None = None  # ... and at most this far in the future (None: 30 s, or the window if shorter)
     # what one request may hold (docs/router.md, "Limits"): each bounds its memory and event-loop time
     max_request_bytes: int = 8 << 20  # HTTP body
     max_prompt_chars: int = 2_000_000  # text of a prompt or of all messages, checked before tokenising
@@ -125,6 +126,8 @@ class RouterConfig:
             raise ConfigError("--require-sealed needs SM4 keys (--sm4-key-dir)")
         if self.replay_window_s <= 0:
             raise ConfigError("--replay-window must be > 0 seconds")
+        if self.replay_skew_s is not None and not 0 <= self.replay_skew_s <= self.replay_window_s:
+            raise ConfigError("--replay-skew must be between 0 and --replay-window seconds")
         if min(self.max_request_bytes, self.max_prompt_chars, self.max_messages, self.max_tools) < 1:
             raise ConfigError("--max-request-bytes, --max-prompt-chars, --max-messages and --max-tools must be >= 1")
         if min(self.http_idle_timeout_s, self.http_body_timeout_s) <= 0 or self.http_max_connections < 1:

@@ -290,3 +290,9 @@ def test_an_error_dispatching_one_job_fails_that_job_alone() -> None:
         assert not d.failing and d.sent[-1] == ["j99"]
 
     asyncio.run(go())
+
+
+def test_replay_skew_is_bounded_by_the_window() -> None:
+    with pytest.raises(ConfigError, match="--replay-skew"):
+        RouterConfig(workers=("w:1",), replay_window_s=60, replay_skew_s=61)
+    assert RouterConfig(workers=("w:1",), replay_window_s=60, replay_skew_s=5).replay_skew_s == 5

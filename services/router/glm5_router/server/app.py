@@ -97,7 +97,8 @@ async def start_router(config: RouterConfig) -> RouterApp:
     server = new_server([ApiKeyInterceptor(config.api_keys)] if config.api_keys else [])
     health_server: grpc.aio.Server | None = None
     service = RouterService(frontend, keys, config.require_sealed, config.replay_window_s,
-                            shared.claim if shared is not None else None)  # fmt: skip
+                            shared.claim if shared is not None else None,
+                            replay_skew_s=config.replay_skew_s)  # fmt: skip
 
     def add(s: grpc.aio.Server) -> None:
         router_pb2_grpc.add_RouterServicer_to_server(service, s)  # type: ignore[no-untyped-call]
