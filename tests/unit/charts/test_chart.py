@@ -82,7 +82,7 @@ def test_rbac_covers_every_child_the_operator_creates() -> None:
     for child in children:
         m = child.manifest
         group = m["apiVersion"].rpartition("/")[0]
-        # created once, never patched or watched: get and create only (the admin-token Secrets)
+        # created once, never patched or watched: get and create only (the admin- and internal-token Secrets)
         verbs = ("get", "create") if child.create_only else ("get", "list", "watch", "create", "patch")
         for verb in verbs:
             assert (group, PLURALS[m["kind"]], verb) in allowed, (m["kind"], verb)
