@@ -3,18 +3,20 @@ GenerateStream (many Generate requests multiplexed over one stream)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from glm5.errors import BindError, bounded
+from glm5.errors import BindError, ConfigError, bounded
 from glm5.security import NO_TLS, TlsConfig, add_port
 from glm5.v1 import worker_pb2
 
@@ -49,7 +51,47 @@ class Health(HealthServicer):  # type: ignore[misc]
         )
 
 
-def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What one connection may hold on a gRPC listener (docs/security.md, "Connections"): a client that connects
+    and never finishes its handshake, or keeps a connection open with no call on it, cannot pin it for long, and
+    the listener refuses connections past its cap (closed at accept)."""
+
+    handshake_timeout_s: float = 10.0  # TCP accept to a complete HTTP/2 (and TLS) handshake
+    idle_timeout_s: float = 300.0  # a connection without a call for this long is closed (GOAWAY; clients reconnect)
+    max_connections: int = 1024
+
+    def __post_init__(self) -> None:
+        if min(self.handshake_timeout_s, self.idle_timeout_s) <= 0 or self.max_connections < 1:
+            raise ConfigError("--grpc-handshake-timeout and --grpc-idle-timeout must be > 0, --grpc-max-connections "
+                              ">= 1")  # fmt: skip
+
+    def options(self) -> list[tuple[str, int]]:
+        return [("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
+                ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
+                ("grpc.max_allowed_incoming_connections", self.max_connections)]  # fmt: skip
+
+
+DEFAULT_CONNECTIONS = ConnectionLimits()
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    d = DEFAULT_CONNECTIONS
+    g = p.add_argument_group("gRPC connections (docs/security.md)")
+    g.add_argument("--grpc-handshake-timeout", type=float, default=d.handshake_timeout_s,
+                   help="seconds from accepting a connection to its completed handshake")  # fmt: skip
+    g.add_argument("--grpc-idle-timeout", type=float, default=d.idle_timeout_s,
+                   help="seconds a connection may stay open without a call")  # fmt: skip
+    g.add_argument("--grpc-max-connections", type=int, default=d.max_connections,
+                   help="open connections; more are closed as they are accepted")  # fmt: skip
+
+
+def connection_limits_from_args(a: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(a.grpc_handshake_timeout, a.grpc_idle_timeout, a.grpc_max_connections)
+
+
+def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+               limits: ConnectionLimits = DEFAULT_CONNECTIONS) -> grpc.aio.Server:  # fmt: skip
     return grpc.aio.server(
         interceptors=list(interceptors),
         options=[
@@ -57,6 +99,7 @@ def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.
             ("grpc.max_send_message_length", MESSAGE_LIMIT),
             # gRPC's default lets a second server bind the same port and take half its connections silently
             ("grpc.so_reuseport", 0),
+            *limits.options(),
         ],
     )
 

@@ -179,3 +179,56 @@ def test_health_list_answers_every_status_without_an_error_log(caplog: pytest.Lo
     status = health_pb2.HealthCheckResponse
     assert {k: v.status for k, v in reply.statuses.items()} == {"": status.SERVING, "glm5.v1.Test": status.NOT_SERVING}
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_grpc_listeners_close_stalled_handshakes_and_cap_connections() -> None:
+    """ConnectionLimits on a real server: a connection that never completes its HTTP/2 handshake is closed after
+    the handshake timeout; past the cap, a new connection is closed as it is accepted; calls still work after."""
+    import socket
+    import time
+
+    from glm5.serving import ConnectionLimits, new_server, start_serving
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def closed_after(sock: socket.socket, limit: float) -> float | None:
+        start = time.monotonic()
+        sock.settimeout(limit)
+        try:
+            while sock.recv(4096):
+                pass
+        except TimeoutError:
+            return None
+        except ConnectionResetError:
+            pass
+        return time.monotonic() - start
+
+    async def go() -> None:
+        server = new_server(limits=ConnectionLimits(handshake_timeout_s=1.0, max_connections=2))
+        _, port = await start_serving(server, "glm5.v1.Test", lambda s: None, "127.0.0.1", 0)
+        try:
+            stalled = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port))
+            held = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port))
+            await asyncio.sleep(0.2)
+            extra = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port))
+            refused = await asyncio.to_thread(closed_after, extra, 0.8)
+            assert refused is not None, "a connection past the cap stayed open"
+            waited = await asyncio.to_thread(closed_after, stalled, 5.0)
+            assert waited is not None and waited < 3.0, "a stalled handshake was not closed"
+            for s in (stalled, held, extra):
+                s.close()
+            await asyncio.sleep(0.2)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(None)
+
+    asyncio.run(go())
+
+
+def test_connection_limits_name_the_bad_flag() -> None:
+    from glm5.errors import ConfigError
+    from glm5.serving import ConnectionLimits
+
+    with pytest.raises(ConfigError, match="--grpc-max-connections"):
+        ConnectionLimits(max_connections=0)

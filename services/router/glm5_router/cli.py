@@ -18,6 +18,7 @@ from glm5.security import (
     read_secrets,
     tls_from_args,
 )
+from glm5.serving import add_connection_arguments, connection_limits_from_args
 
 from glm5_router.config import BreakerConfig, RouterConfig
 from glm5_router.server.app import serve_until_signal
@@ -75,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a sealed request may be dated in the future (clock skew between client and router; "
                    "default 30, at most --replay-window)")  # fmt: skip
     add_tls_arguments(p)
+    add_connection_arguments(p)
     p.add_argument("--tls-require-client-cert", action="store_true",
                    help="with --tls-ca: callers of the router's gRPC API need client certificates too (the "
                    "workers' mTLS always does); default: TLS plus API keys")  # fmt: skip
@@ -146,7 +148,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         replay_skew_s=a.replay_skew, max_request_bytes=a.max_request_bytes,
         max_prompt_chars=a.max_prompt_chars, max_messages=a.max_messages, max_tools=a.max_tools,
         http_idle_timeout_s=a.http_idle_timeout, http_body_timeout_s=a.http_body_timeout,
-        http_max_connections=a.http_max_connections, public_metrics=a.public_metrics,
+        http_max_connections=a.http_max_connections, grpc_connections=connection_limits_from_args(a),
+        public_metrics=a.public_metrics,
         public_health_details=a.public_health_details,
     )  # fmt: skip
 

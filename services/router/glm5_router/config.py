@@ -8,6 +8,7 @@ from typing import Literal
 
 from glm5.errors import ConfigError
 from glm5.security import LOOPBACK, NO_TLS, Secret, TlsConfig
+from glm5.serving import DEFAULT_CONNECTIONS, ConnectionLimits
 
 ThinkingPolicy = Literal["off", "light", "deep", "auto"]
 
@@ -86,6 +87,7 @@ class RouterConfig:
     http_idle_timeout_s: float = 30.0  # from connecting (or the last response) to a request's complete header
     http_body_timeout_s: float = 30.0  # to read a request's body
     http_max_connections: int = 4096  # open HTTP connections; more are answered 503 and closed
+    grpc_connections: ConnectionLimits = DEFAULT_CONNECTIONS  # the gRPC API's listener
     public_metrics: bool = False  # with API keys: /metrics without a key too (it names the workers)
     public_health_details: bool = False  # with API keys: /health lists the workers to callers without a key
     # payloads and output

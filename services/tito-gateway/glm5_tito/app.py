@@ -17,7 +17,13 @@ from glm5.security import (
     internal_token_from_args,
     tls_from_args,
 )
-from glm5.serving import freeze_heap, new_server, start_serving
+from glm5.serving import (
+    add_connection_arguments,
+    connection_limits_from_args,
+    freeze_heap,
+    new_server,
+    start_serving,
+)
 from glm5.v1 import tito_pb2, tito_pb2_grpc
 
 from glm5_tito.gateway import Gateway, GatewayConfig
@@ -39,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_s)
     p.add_argument("--redis-url", help="rollout buffer as a Redis stream (default: in-process)")
     add_tls_arguments(p)
+    add_connection_arguments(p)
     add_internal_token_arguments(p)
 
 
@@ -54,6 +61,7 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                          vnodes=a.virtual_nodes,
                          virtual_node_reserve=a.virtual_node_reserve, load_bound=a.load_bound,
                          heartbeat_s=a.heartbeat_interval, tls=tls_from_args(a),
+                         connections=connection_limits_from_args(a),
                          internal_token=internal_token_from_args(a))  # fmt: skip
 
 
@@ -62,7 +70,7 @@ async def start_gateway(
 ) -> tuple[grpc.aio.Server, Gateway, int]:
     gateway = Gateway(config, buffer)
     await gateway.start()
-    server = new_server()
+    server = new_server(limits=config.connections)
 
     def add(s: grpc.aio.Server) -> None:
         tito_pb2_grpc.add_TitoGatewayServicer_to_server(gateway, s)  # type: ignore[no-untyped-call]

@@ -16,7 +16,7 @@ from glm5.errors import InvalidRequestError
 from glm5.rl.buffer import RolloutBuffer
 from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
-from glm5.serving import resolve_service
+from glm5.serving import DEFAULT_CONNECTIONS, ConnectionLimits, resolve_service
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from glm5_tito.ledger import Ledger
@@ -43,6 +43,7 @@ class GatewayConfig:
     max_rollouts: int = 100000
     tls: TlsConfig = NO_TLS  # served over TLS, and used to reach the engines
     internal_token: Secret | None = None  # sent to the engines with every call (their --internal-token-*)
+    connections: ConnectionLimits = DEFAULT_CONNECTIONS  # what one connection to the gateway may hold
 
 
 @dataclass(eq=False)

@@ -94,7 +94,7 @@ async def start_router(config: RouterConfig) -> RouterApp:
             raise ConfigError(f"--redis-url: cannot reach {redact_url(config.redis_url)}: {exc}") from None
         frontend.submit = shared.submit
 
-    server = new_server([ApiKeyInterceptor(config.api_keys)] if config.api_keys else [])
+    server = new_server([ApiKeyInterceptor(config.api_keys)] if config.api_keys else [], config.grpc_connections)
     health_server: grpc.aio.Server | None = None
     service = RouterService(frontend, keys, config.require_sealed, config.replay_window_s,
                             shared.claim if shared is not None else None,
