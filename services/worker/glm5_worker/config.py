@@ -62,7 +62,8 @@ class EngineConfig:
     # sampling guards
     ascend_temperature_floor: float = 0.35
     seed: int = 0
-    jitter_window: int = 256
+    jitter_window: int = 256  # decode step times the latency jitter is taken over ...
+    jitter_window_s: float = 30.0  # ... none older than this (an idle worker's jitter fades)
     # one model replica over several devices (glm5_worker.parallel; docs/scaling.md)
     tensor_parallel_size: int = 1  # ranks per replica, one device each
     expert_parallel: bool | None = None  # routed experts partitioned over ranks; None: on when the size > 1

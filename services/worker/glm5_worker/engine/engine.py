@@ -14,6 +14,7 @@ import statistics
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -60,13 +61,25 @@ class EngineStats:
 
 @dataclass(slots=True)
 class _StepTimes:
+    """The latest decode step times: at most `window` of them, none older than `window_s`. The age bound is what
+    lets a worker recover: the router sends a worker whose jitter is over its threshold less traffic, and an idle
+    worker's old samples would otherwise keep it marked (and, at low load, starved) for good."""
+
     window: int
-    decode_ms: deque[float] = field(default_factory=deque)
+    window_s: float
+    clock: Callable[[], float] = time.monotonic
+    decode_ms: deque[tuple[float, float]] = field(default_factory=deque)  # (when, ms)
 
     def add(self, ms: float) -> None:
-        self.decode_ms.append(ms)
+        self.decode_ms.append((self.clock(), ms))
         while len(self.decode_ms) > self.window:
             self.decode_ms.popleft()
+
+    def recent(self) -> list[float]:
+        cutoff = self.clock() - self.window_s
+        while self.decode_ms and self.decode_ms[0][0] < cutoff:
+            self.decode_ms.popleft()
+        return [ms for _, ms in self.decode_ms]
 
 
 class Engine:
@@ -111,7 +124,7 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self.weight_version = 0
         self.num_steps = 0
-        self._times = _StepTimes(config.jitter_window)
+        self._times = _StepTimes(config.jitter_window, config.jitter_window_s)
         # L1 -> L2 copies rank 0 made after a step; the followers make them before the next one
         self._pending_demotions: list[tuple[int, int]] = []
 
@@ -344,7 +357,7 @@ class Engine:
 
     # introspection ------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        times = list(self._times.decode_ms)
+        times = self._times.recent()
         layers = [(i, s.entropy_short or 0.0, s.drift, s.topk) for i, s in enumerate(self.sparsity.layers)]
         mine = self.runner.memory()
         return EngineStats(
