@@ -17,11 +17,12 @@ line: `Secret.__repr__` hides the value.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hmac
 import os
 import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -39,14 +40,29 @@ LOOPBACK = "127.0.0.1"
 OPEN_SERVICES = ("grpc.health.v1.Health",)
 
 
-@dataclass(frozen=True, slots=True)
 class Secret:
-    """A secret string whose repr never shows it (dataclass reprs, log lines, tracebacks)."""
+    """A secret string whose repr and str never show it (dataclass reprs, log lines, tracebacks, `json.dumps(...,
+    default=str)`). Deliberately not a dataclass: `dataclasses.asdict` of a config holding one would turn it into
+    `{"value": ...}`, which is how `glm5 rl` once wrote its admin token into summary.json. Pickling keeps the value
+    (a spawned process gets the config it needs)."""
 
-    value: str = field(repr=False)
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    @property
+    def value(self) -> str:
+        return self._value
 
     def __repr__(self) -> str:
         return "Secret(***)"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and self.matches(other._value)
+
+    def __hash__(self) -> int:
+        return hash((Secret, self._value))
 
     def matches(self, presented: str) -> bool:
         # a header that was not UTF-8 arrives with surrogate escapes: compared as the bytes it was, never a 500
@@ -359,6 +375,24 @@ def redact_url(url: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[1]
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit(parts._replace(netloc=user + netloc))
+
+
+def public_view(value: Any) -> Any:
+    """`value` (a config dataclass, and what it holds) as JSON-ready data fit for an output file users share: a
+    Secret becomes "***" (that one was set, never what it is), a URL loses its password, paths become strings."""
+    if isinstance(value, Secret):
+        return "***"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: public_view(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): public_view(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [public_view(v) for v in value]
+    if isinstance(value, str):
+        return redact_url(value) if "@" in value and "://" in value else value
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return str(value)
 
 
 def is_loopback(host: str) -> bool:

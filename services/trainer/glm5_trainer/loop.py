@@ -39,6 +39,7 @@ from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
 from glm5_trainer.environment import Outcome, Problem, evaluation_summary, read_turn
 from glm5_trainer.loss import TrustRegion
+from glm5_trainer.outputs import write_outputs
 from glm5_trainer.policy import Policy, StepStats
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
 from glm5_trainer.versions import TRANSPORTS, WeightVersions, steps_recorded, sync_workers
@@ -245,9 +246,11 @@ class RLRun:
                 addresses |= await resolve_service(self.c.engine_dns)
         return sorted(addresses)
 
-    async def evaluate(self) -> float | None:
+    async def evaluate(self, label: str = "held-out evaluation", leave: bool = True) -> float | None:
         """Greedy final-answer accuracy on the held-out problems, played out on the engines (the synced weights);
-        the tool calls of the episodes go to `last_eval`."""
+        the tool calls of the episodes go to `last_eval`. A progress bar counts the problems (200 take minutes)."""
+        from tqdm import tqdm
+
         problems = self.eval_problems[: self.c.eval_size]
         if not problems:
             return None
@@ -263,11 +266,15 @@ class RLRun:
                 async with slots:
                     return await read_turn(clients[i % len(clients)].generate(request, timeout=600))
 
-            return await self.env.play(p, self.driver.prompt_ids(p), generate, self.driver.tok)
+            outcome = await self.env.play(p, self.driver.prompt_ids(p), generate, self.driver.tok)
+            bar.update(1)
+            return outcome
 
+        bar = tqdm(total=len(problems), desc=label, unit="problem", leave=leave, disable=not self.c.progress)
         try:
             outcomes = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
         finally:
+            bar.close()
             await asyncio.gather(*(c.close() for c in clients))
         self.last_eval = evaluation_summary(outcomes)
         return float(self.last_eval["accuracy"])
@@ -358,6 +365,12 @@ class RLRun:
         return bool(self.c.steps) and self.versions.steps >= self.c.steps
 
     async def run(self) -> Result:
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():  # this process's log lines print above the progress bars, not through them
+            return await self._run()
+
+    async def _run(self) -> Result:
         from tqdm import tqdm
 
         if self.complete:
@@ -374,7 +387,7 @@ class RLRun:
             self.gateway = tito_pb2_grpc.TitoGatewayStub(channel)  # type: ignore[no-untyped-call]
             await self.adopt_engines()
             self.phase = "evaluating"
-            before = await self.evaluate()
+            before = await self.evaluate("held-out evaluation before RL")
             eval_before = self.last_eval
             log.info("held-out accuracy before RL: %s (%s)", before, eval_before)
             self.driver.gateway = self.gateway
@@ -415,7 +428,7 @@ class RLRun:
                 await asyncio.to_thread(self.policy.wait_saved)
                 self.counters.update(self.driver.counters)
             self.phase = "evaluating"
-            after = await self.evaluate()
+            after = await self.evaluate("held-out evaluation after RL")
             log.info("held-out accuracy after RL: %s (%s)", after, self.last_eval)
         self.phase = "done"
         result = Result(
@@ -425,7 +438,7 @@ class RLRun:
             counters=dict(self.counters), sync_seconds=self.sync_seconds, history=self.history,
             evaluation_before=eval_before, evaluation_after=self.last_eval if after is not None else None,
         )  # fmt: skip
-        self._write(result)
+        write_outputs(self.c.out, result, self.c)
         if self.complete:
             self._report_completion()
         return result
@@ -461,7 +474,8 @@ class RLRun:
             await self._push(path, step)
         else:
             self._release(step)
-        accuracy = await self.evaluate() if self.c.eval_every and step % self.c.eval_every == 0 else None
+        due = self.c.eval_every and step % self.c.eval_every == 0
+        accuracy = await self.evaluate(f"held-out evaluation at step {step}", leave=False) if due else None
         evaluation = {"evaluation": self.last_eval} if accuracy is not None else {}
         oldest = min(oldest_version(r) for r in samples)
         row = {"step": step, "job_step": self.versions.steps, "seconds": round(time.perf_counter() - start, 3),
@@ -475,15 +489,3 @@ class RLRun:
         bar.set_postfix(postfix)
         bar.update(1)
         log.debug("step %s", row)
-
-    def _write(self, result: Result) -> None:
-        with (self.c.out / "history.jsonl").open("w") as f:
-            for row in result.history:
-                f.write(json.dumps(row) + "\n")
-        summary = {k: v for k, v in asdict(result).items() if k != "history"}
-        summary["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.c).items()}
-        (self.c.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        from glm5_trainer.plot import plot
-
-        plot(result.history, result.accuracy_before, result.accuracy_after, self.c.out / "rl.png",
-             title=f"{self.c.environment} · {self.c.mode} RL")  # fmt: skip
