@@ -2,6 +2,9 @@
 same programs an RLJob runs in its pods), one command, clean shutdown on Ctrl-C.
 
     glm5 rl --model CHECKPOINT --workers 2 --steps 40 --out rl-out     (history.jsonl, summary.json, rl.png)
+
+The workers' and the gateway's output goes to OUT/logs/ (and to this terminal until the trainer starts: after that
+their lines, a weight load per step, would break the trainer's progress bar).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import IO
 
 from glm5.errors import ConfigError
 
@@ -41,6 +46,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a worker may take to load")
 
 
+class ChildLogs:
+    """Each child's stdout and stderr, line by line, to OUT/logs/NAME.log, and to this terminal while `echo`."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.echo = True
+        self.pumps: list[threading.Thread] = []
+
+    def popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        assert proc.stdout is not None
+        pump = threading.Thread(target=self._pump, args=(proc.stdout, self.folder / f"{name}.log"), daemon=True)
+        pump.start()
+        self.pumps.append(pump)
+        return proc
+
+    def _pump(self, stream: IO[bytes], path: Path) -> None:
+        with path.open("ab") as f:
+            for line in iter(stream.readline, b""):
+                f.write(line)
+                f.flush()
+                if self.echo:
+                    sys.stderr.buffer.write(line)
+                    sys.stderr.buffer.flush()
+
+    def close(self) -> None:
+        for pump in self.pumps:
+            pump.join(timeout=5)  # the children have exited: their pipes are at EOF
+
+
+def _step(message: str) -> None:
+    print(f"glm5 rl: {message}", file=sys.stderr, flush=True)
+
+
 def run(a: argparse.Namespace) -> None:
     from glm5.model.presets import default_model_path
 
@@ -58,23 +99,31 @@ def run(a: argparse.Namespace) -> None:
     admin = ["--admin-token-env", ADMIN_ENV]
     internal = ["--internal-token-env", INTERNAL_ENV]
     procs: list[subprocess.Popen[bytes]] = []
+    logs = ChildLogs(out / "logs")
     try:
         engines = []
-        for _ in range(a.workers):
+        _step(f"starting {a.workers} rollout worker(s) on {model.name} (a first start compiles decode steps, "
+              f"minutes; --worker-arg=--enforce-eager skips it)")  # fmt: skip
+        for i in range(a.workers):
             port = free_port()
-            procs.append(subprocess.Popen([*python, "worker", "--model", str(model), "--host", "127.0.0.1",
-                                           "--port", str(port), *admin, *internal, "--weights-root", str(out),
-                                           *a.worker_arg], env=env))  # fmt: skip
+            procs.append(logs.popen(f"worker-{i}", [*python, "worker", "--model", str(model), "--host", "127.0.0.1",
+                                                    "--port", str(port), *admin, *internal, "--weights-root",
+                                                    str(out), *a.worker_arg], env))  # fmt: skip
             engines.append(f"127.0.0.1:{port}")
         for target, proc in zip(engines, procs, strict=True):
             wait_serving(target, proc, a.startup_timeout, "worker")
+        _step("workers serving; starting the TITO gateway")
         gateway = f"127.0.0.1:{free_port()}"
         redis = ["--redis-url", a.redis_url] if a.redis_url else []
         engine_flags = [f for e in engines for f in ("--engine", e)]
-        procs.append(subprocess.Popen([*python, "tito-gateway", "--host", "127.0.0.1", "--port",
-                                       gateway.rpartition(":")[2], *engine_flags, *redis, *internal],
-                                      env=env))  # fmt: skip
+        procs.append(logs.popen("tito-gateway", [*python, "tito-gateway", "--host", "127.0.0.1", "--port",
+                                                 gateway.rpartition(":")[2], *engine_flags, *redis, *internal],
+                                env))  # fmt: skip
         wait_serving(gateway, procs[-1], 60, "TITO gateway")
+        steps = f"{a.steps} steps" if a.steps else "steps until Ctrl-C"
+        _step(f"starting the trainer: held-out evaluation, {steps}, evaluation again (the workers' and the "
+              f"gateway's logs from now on: {a.out}/logs/)")  # fmt: skip
+        logs.echo = False
         trainer = subprocess.Popen([*python, "trainer", "--policy", str(model), "--gateway", gateway, *engine_flags,
                                     "--checkpoint-dir", str(out), "--environment", a.env, "--mode", a.mode,
                                     "--steps", str(a.steps), "--learning-rate", str(a.learning_rate),
@@ -83,8 +132,10 @@ def run(a: argparse.Namespace) -> None:
         procs.append(trainer)
         code = trainer.wait()
         if code:
-            raise ConfigError(f"the trainer exited with status {code} (its log is above)")
-        print(f"\nRL run written to {a.out}: summary.json, history.jsonl, rl.png; the trained policy is the last "
-              f"version under {a.out}/actor_synced/", flush=True)  # fmt: skip
+            raise ConfigError(f"the trainer exited with status {code} (its log is above; the workers' and the "
+                              f"gateway's are in {a.out}/logs/)")  # fmt: skip
+        print(f"\nRL run written to {a.out}: summary.json, history.jsonl, rl.png, logs/; the trained policy is the "
+              f"last version under {a.out}/actor_synced/", flush=True)  # fmt: skip
     finally:
         stop_processes(procs)
+        logs.close()
