@@ -29,21 +29,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", action="append", default=[], help="worker host:port (repeatable)")
     p.add_argument("--worker-dns", help="host:port of a headless Service; every A record is a worker")
     p.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--grpc-port", type=int, default=d.grpc_port)
-    p.add_argument("--http-port", type=int, default=d.http_port)
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="port of the gRPC API (glm5.v1.Router)")
+    p.add_argument("--http-port", type=int, default=d.http_port, help="port of the OpenAI-compatible HTTP API")
     p.add_argument("--health-port", type=int, help="also answer gRPC health checks in plain text on this port "
                    "(Kubernetes' probes cannot speak TLS)")  # fmt: skip
     p.add_argument("--redis-url-file", help="read the Redis URL from this file (a mounted Secret key)")
     p.add_argument("--served-model-name", help="model name for clients (default: what the workers report)")
-    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens,
+                   help="max new tokens of a request that sets none")  # fmt: skip
     p.add_argument("--token-budget", type=int, default=d.token_budget, help="flush a batch at this many new tokens")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="... or after this wait")
     p.add_argument("--no-idle-flush", action="store_true", help="hold requests for an idle worker too (a plain "
                    "time window; for comparison)")  # fmt: skip
-    p.add_argument("--short-max-prompt-tokens", type=int, default=d.short_max_prompt_tokens)
-    p.add_argument("--long-min-prompt-tokens", type=int, default=d.long_min_prompt_tokens)
-    p.add_argument("--long-pause-kv-usage", type=float, default=d.long_pause_kv_usage)
-    p.add_argument("--max-queued", type=int, default=d.max_queued)
+    p.add_argument("--short-max-prompt-tokens", type=int, default=d.short_max_prompt_tokens,
+                   help="prompts under this many tokens go to the short lane (served first, FIFO)")  # fmt: skip
+    p.add_argument("--long-min-prompt-tokens", type=int, default=d.long_min_prompt_tokens,
+                   help="prompts from this many tokens go to the long lane (by KV cost, served last)")  # fmt: skip
+    p.add_argument("--long-pause-kv-usage", type=float, default=d.long_pause_kv_usage,
+                   help="the long lane waits while every routable worker's KV usage is above this share")  # fmt: skip
+    p.add_argument("--max-queued", type=int, default=d.max_queued, help="queued requests; more are refused")
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s, help="seconds a request may wait")
     p.add_argument("--no-worker-timeout", type=float, default=d.no_worker_timeout_s,
                    help="with no routable worker, seconds a request waits before it fails with 503")  # fmt: skip
@@ -51,20 +55,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url-env", help="read the Redis URL from this environment variable")
     p.add_argument("--redis-claims-per-worker", type=int, default=d.redis_claims_per_worker,
                    help="requests this router takes from the shared queue per routable worker")  # fmt: skip
-    p.add_argument("--affinity-load-factor", type=float, default=d.affinity_load_factor)
-    p.add_argument("--max-retries", type=int, default=d.max_retries)
-    p.add_argument("--retry-backoff-ms", type=float, default=d.retry_backoff_ms)
-    p.add_argument("--stats-interval", type=float, default=d.stats_interval_s)
-    p.add_argument("--discovery-interval", type=float, default=d.discovery_interval_s)
-    p.add_argument("--breaker-error-rate", type=float, default=b.error_rate)
-    p.add_argument("--breaker-window-seconds", type=float, default=b.window_s)
-    p.add_argument("--breaker-min-calls", type=int, default=b.min_calls)
-    p.add_argument("--breaker-kv-fragmentation", type=float, default=b.kv_fragmentation)
-    p.add_argument("--breaker-entropy-drift", type=float, default=b.entropy_drift)
-    p.add_argument("--breaker-token-jitter-ms", type=float, default=b.token_jitter_ms)
-    p.add_argument("--breaker-sustained-seconds", type=float, default=b.sustained_s)
-    p.add_argument("--breaker-open-seconds", type=float, default=b.open_s)
-    p.add_argument("--breaker-half-open-share", type=float, default=b.half_open_share)
+    p.add_argument("--affinity-load-factor", type=float, default=d.affinity_load_factor,
+                   help="a session keeps its worker unless that is above this times the mean load")  # fmt: skip
+    p.add_argument("--max-retries", type=int, default=d.max_retries,
+                   help="retries on another worker of a request that has not streamed a token")  # fmt: skip
+    p.add_argument("--retry-backoff-ms", type=float, default=d.retry_backoff_ms,
+                   help="first retry backoff; doubles, with full jitter")  # fmt: skip
+    p.add_argument("--stats-interval", type=float, default=d.stats_interval_s,
+                   help="seconds between polls of each worker's stats and health")  # fmt: skip
+    p.add_argument("--discovery-interval", type=float, default=d.discovery_interval_s,
+                   help="seconds between lookups of --worker-dns")  # fmt: skip
+    p.add_argument("--breaker-error-rate", type=float, default=b.error_rate,
+                   help="eject a worker when this share of its calls in the window failed")  # fmt: skip
+    p.add_argument("--breaker-window-seconds", type=float, default=b.window_s,
+                   help="sliding window of the error rate")  # fmt: skip
+    p.add_argument("--breaker-min-calls", type=int, default=b.min_calls,
+                   help="calls in the window before the error rate counts")  # fmt: skip
+    p.add_argument("--breaker-kv-fragmentation", type=float, default=b.kv_fragmentation,
+                   help="soft signal: a worker's KV fragmentation above this halves its weight")  # fmt: skip
+    p.add_argument("--breaker-entropy-drift", type=float, default=b.entropy_drift,
+                   help="soft signal: attention-entropy drift above this halves its weight")  # fmt: skip
+    p.add_argument("--breaker-token-jitter-ms", type=float, default=b.token_jitter_ms,
+                   help="soft signal: per-token latency jitter above this halves its weight")  # fmt: skip
+    p.add_argument("--breaker-sustained-seconds", type=float, default=b.sustained_s,
+                   help="a soft signal over its threshold this long may eject the worker")  # fmt: skip
+    p.add_argument("--breaker-open-seconds", type=float, default=b.open_s,
+                   help="first open period of an ejected worker (doubles per failed probe, to 300 s)")  # fmt: skip
+    p.add_argument("--breaker-half-open-share", type=float, default=b.half_open_share,
+                   help="share of traffic a half-open worker gets as probes")  # fmt: skip
     p.add_argument("--breaker-max-ejection-percent", type=float, default=b.max_ejection_percent,
                    help="at most this share of the workers ejected at once; never the last one")  # fmt: skip
     p.add_argument("--sm4-key-dir", help="directory of SM4 keys (one file per key id), e.g. a mounted Secret")
@@ -85,8 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="HTTP body size")
     lim.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
                      help="characters of prompt or message text, checked before tokenising")  # fmt: skip
-    lim.add_argument("--max-messages", type=int, default=d.max_messages)
-    lim.add_argument("--max-tools", type=int, default=d.max_tools)
+    lim.add_argument("--max-messages", type=int, default=d.max_messages, help="messages of a chat request")
+    lim.add_argument("--max-tools", type=int, default=d.max_tools, help="tools of a chat request")
     lim.add_argument("--http-idle-timeout", type=float, default=d.http_idle_timeout_s,
                      help="seconds an HTTP connection may stay without a complete request header")  # fmt: skip
     lim.add_argument("--http-body-timeout", type=float, default=d.http_body_timeout_s,
@@ -104,12 +122,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with API keys: /health lists the workers to callers without a key too")  # fmt: skip
     g.add_argument("--http-tls-cert", help="PEM certificate: serve the HTTP API over HTTPS")
     g.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
-    p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"])
+    p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"],
+                   help="reasoning of requests that do not choose (auto: on when the last user message holds "
+                   "code)")  # fmt: skip
     p.add_argument("--light-thinking-budget", type=int, default=d.light_thinking_budget,
                    help="reasoning tokens before light thinking is made to answer")  # fmt: skip
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
                    help="tokens per streamed message for requests without their own (0: every step)")  # fmt: skip
-    p.add_argument("--shutdown-grace", type=float, default=10.0)
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests may take to finish on SIGTERM / Ctrl-C")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
