@@ -37,21 +37,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="name reported to clients (default: the directory name)")
     p.add_argument("--host", default=LOOPBACK, help="address to listen on (0.0.0.0: every interface; the operator "
                    "renders it for pods)")  # fmt: skip
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda", "npu"])
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (glm5.v1.Worker, health, reflection)")
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda", "npu"],
+                   help="accelerator (auto: an Ascend NPU, else CUDA, else the CPU)")  # fmt: skip
     p.add_argument("--kernels", default=d.kernels, choices=KERNEL_CHOICES,
                    help="DSA kernels: auto = Triton on CUDA when installed, else portable PyTorch")  # fmt: skip
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations (auto: the checkpoint's)")  # fmt: skip
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_CHOICES,
                    help="weight format the checkpoint must have: fp8 (block FP8), compressed-tensors (INT4 / FP8), "
                    "none (float); auto loads whatever it stores")  # fmt: skip
     p.add_argument("--max-model-len", type=int, help="context limit (default min(131072, checkpoint limit))")
     p.add_argument("--rope-scaling", choices=["linear", "yarn"], help="override the checkpoint's RoPE scaling")
     p.add_argument("--rope-factor", type=float, help="RoPE scaling factor, a power of two")
-    p.add_argument("--rope-original-max-position-embeddings", type=int)
+    p.add_argument("--rope-original-max-position-embeddings", type=int,
+                   help="context the model was trained on, for --rope-scaling (default: the checkpoint's)")  # fmt: skip
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--kv-cache-bytes", default="auto", help="KV pool size ('auto', or e.g. 512MiB, 4GiB)")
-    p.add_argument("--kv-memory-fraction", type=float, default=d.kv_memory_fraction)
+    p.add_argument("--kv-memory-fraction", type=float, default=d.kv_memory_fraction,
+                   help="--kv-cache-bytes auto: share of free device memory for the pool (kv-cache.md)")  # fmt: skip
     p.add_argument("--no-kv-int8-tier", action="store_true", help="keep every token at model precision")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="L1 latents and rope keys (auto: the model dtype); bfloat16 halves them for a float32 "
@@ -60,16 +64,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="L1 indexer keys (auto: --kv-cache-dtype); bfloat16 halves them for a float32 model and "
                    "speeds up long-context top-k selection")  # fmt: skip
     p.add_argument("--l1-tokens", type=int, default=d.l1_tokens, help="recent tokens kept at model precision")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per-step budget")
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting)
-    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests; beyond it they are refused")
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens,
+                   help="max new tokens of a request that sets none")  # fmt: skip
     p.add_argument("--dense-warmup-tokens", type=int, default=d.dense_warmup_tokens, help="0 disables it")
     p.add_argument("--dynamic-sparsity", action="store_true", help="widen top-k when attention entropy is low")
-    p.add_argument("--sparsity-entropy-threshold", type=float, default=d.sparsity_entropy_threshold)
-    p.add_argument("--sparsity-patience", type=int, default=d.sparsity_patience)
-    p.add_argument("--sparsity-widen-factor", type=float, default=d.sparsity_widen_factor)
+    p.add_argument("--sparsity-entropy-threshold", type=float, default=d.sparsity_entropy_threshold,
+                   help="--dynamic-sparsity: widen top-k below this mean attention entropy (nats)")  # fmt: skip
+    p.add_argument("--sparsity-patience", type=int, default=d.sparsity_patience,
+                   help="--dynamic-sparsity: measurements below (or back above) the threshold to act")  # fmt: skip
+    p.add_argument("--sparsity-widen-factor", type=float, default=d.sparsity_widen_factor,
+                   help="--dynamic-sparsity: top-k multiplier when widening")  # fmt: skip
     c = p.add_argument_group("compiled decode steps (docs/worker.md)")
     c.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d.enforce_eager,
                    help="run every step eagerly (default: decode steps of up to --compile-max-batch sequences run "
@@ -80,8 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "$GLM5_COMPILE_CACHE or ~/.cache/glm5/compile)")  # fmt: skip
     c.add_argument("--compile-budget", type=float, default=d.compile_budget_s,
                    help="seconds start-up may spend compiling; shapes not compiled by then run eagerly")  # fmt: skip
-    p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor,
+                   help="on an Ascend NPU a temperature in (0, floor) is raised to it; 0 stays greedy")  # fmt: skip
+    p.add_argument("--seed", type=int, default=d.seed, help="sampler seed of requests without their own")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds to drain running requests")
     t = p.add_argument_group("one replica over several devices (docs/scaling.md)")
     t.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
