@@ -40,16 +40,16 @@ from glm5_worker.engine.sequence import FinishReason, SamplingParams
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=6000)
-    p.add_argument("--batch", type=int, default=48)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--max-operand", type=int, default=99)
-    p.add_argument("--held-out", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=6000, help="length of the supervised schedule (see --stop-at)")
+    p.add_argument("--batch", type=int, default=48, help="supervised examples per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="supervised peak learning rate")
+    p.add_argument("--max-operand", type=int, default=99, help="additions of two numbers up to this")
+    p.add_argument("--held-out", type=int, default=500, help="problems kept out of training, for evaluation")
+    p.add_argument("--seed", type=int, default=0, help="initial weights, data order and the train/held-out split")
     p.add_argument("--stop-at", type=int, default=3500,
                    help="stop supervised training (and save) at this step of the --steps schedule")  # fmt: skip
     p.add_argument("--rl-steps", type=int, default=200, help="RL steps after supervised training (0: none)")
-    p.add_argument("--rl-lr", type=float, default=1e-4)
+    p.add_argument("--rl-lr", type=float, default=1e-4, help="learning rate of the RL stage (cosine schedule)")
     p.add_argument("--rl-seed", type=int, default=0, help="RL problem order and sampling (the split is --seed's)")
     p.add_argument("--from", dest="base", type=Path,
                    help="start the tool stages from this checkpoint (e.g. the shipped model) instead of training "
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tool-rl-steps", type=int, default=0,
                    help="after tool SFT (or on the --from checkpoint): `glm5 rl --env tools` steps")  # fmt: skip
-    p.add_argument("--tool-rl-lr", type=float, default=1e-4)
+    p.add_argument("--tool-rl-lr", type=float, default=1e-4, help="learning rate of the tool RL stage")
     p.add_argument("--work", type=Path, help="stage folders (default: OUT.work)")
     p.add_argument("--eval-only", action="store_true", help="only measure an existing checkpoint")
 

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-shard-size", default="2GB", help="largest safetensors file written (default 2GB)")
     p.add_argument("--group-size", type=int, help="INT4 columns per scale (overrides the recipe)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(a: argparse.Namespace) -> None:

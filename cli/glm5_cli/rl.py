@@ -35,10 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "resumes it (up to --steps in total)")  # fmt: skip
     p.add_argument("--env", default="addition", choices=["addition", "tools"],
                    help="reward environment: addition (one turn), tools (multi-turn calculator calls)")  # fmt: skip
-    p.add_argument("--mode", default="async", choices=["async", "sync"])
+    p.add_argument("--mode", default="async", choices=["async", "sync"],
+                   help="async: rollouts go on while the trainer trains; sync: generate, train, push")  # fmt: skip
     p.add_argument("--steps", type=int, default=40, help="optimizer steps for the run, counting resumed ones")
-    p.add_argument("--learning-rate", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--learning-rate", type=float, default=1e-4, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="problem order and rollout sampling")
     p.add_argument("--redis-url", help="rollout buffer as a Redis stream (default: in the gateway)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra `glm5 worker` flag (repeatable)")
     p.add_argument("--trainer-arg", action="append", default=[],

@@ -37,12 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", action="append", default=[], help="rollout engine (worker) host:port, repeatable")
     p.add_argument("--engine-dns", help="host:port of a headless Service; every A record is a rollout engine")
     p.add_argument("--host", default=LOOPBACK, help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=50060)
+    p.add_argument("--port", type=int, default=50060, help="gRPC port (glm5.v1.TitoGateway)")
     p.add_argument("--tokenizer-fingerprint", help="sha256 every engine must report (default: the first engine's)")
     p.add_argument("--virtual-nodes", type=int, default=d.vnodes, help="ring points per rank")
-    p.add_argument("--virtual-node-reserve", type=float, default=d.virtual_node_reserve)
+    p.add_argument("--virtual-node-reserve", type=float, default=d.virtual_node_reserve,
+                   help="share of virtual nodes held back on the hash ring for under-loaded ranks")  # fmt: skip
     p.add_argument("--load-bound", type=float, default=d.load_bound, help="no rank above ceil(c * load / ranks)")
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_s)
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_s,
+                   help="seconds between model-info checks of each engine (3 misses remove the rank)")  # fmt: skip
     p.add_argument("--redis-url", help="rollout buffer as a Redis stream (default: in-process)")
     add_tls_arguments(p)
     add_connection_arguments(p)

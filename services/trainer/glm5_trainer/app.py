@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default="rl-out", help="versioned checkpoints, history, plot")
     p.add_argument("--environment", default=d.environment, help="reward environment (addition, tools)")
     p.add_argument("--dataset", default=d.dataset, help="'builtin' or a JSONL file of problems")
-    p.add_argument("--mode", default=d.mode, choices=MODES)
+    p.add_argument("--mode", default=d.mode, choices=MODES,
+                   help="async: rollouts go on while the trainer trains; sync: generate, train, push")  # fmt: skip
     p.add_argument("--steps", type=int, default=d.steps,
                    help="optimizer steps for the job, counting those a restarted trainer resumes after "
                    "(0: until SIGTERM/SIGINT)")  # fmt: skip
@@ -42,11 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="when the job has taken its --steps, write {complete, steps, version} here as JSON (an "
                    "RLJob pod: its termination log, which the operator reads)")  # fmt: skip
     p.add_argument("--group-size", type=int, default=d.group_size, help="rollouts per problem (GRPO group)")
-    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step)
+    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step, help="GRPO groups per optimizer step")
     p.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups, help="async: groups generating")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per rollout turn")
     p.add_argument("--temperature", type=float, default=d.temperature, help="rollout sampling temperature")
-    p.add_argument("--learning-rate", type=float, default=d.learning_rate)
+    p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="AdamW learning rate")
     p.add_argument("--lr-schedule", default=d.lr_schedule, choices=["constant", "cosine"],
                    help="cosine: decay to 0 over --steps (a run of known length)")  # fmt: skip
     p.add_argument("--task-preset", default="math", choices=[*PRESETS, "custom"], help="trust-region preset")
@@ -57,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--entropy-weight", type=float, default=d.entropy_weight, help="router-entropy regulariser weight")
     p.add_argument("--sync-every-steps", type=int, default=d.sync_every_steps, help="publish actor_synced every K")
     p.add_argument("--sync-interval-seconds", type=float, default=d.sync_interval_s, help="and at least this often")
-    p.add_argument("--ema-decay", type=float, default=d.ema_decay)
+    p.add_argument("--ema-decay", type=float, default=d.ema_decay, help="decay of actor_ema (moving average)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out evaluations")
     p.add_argument("--eval-size", type=int, default=d.eval_size, help="held-out problems per evaluation")
     p.add_argument("--seed", type=int, default=d.seed, help="problem order and rollout sampling")
@@ -65,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train/held-out split of --dataset builtin: the supervised stage's seed")  # fmt: skip
     p.add_argument("--redis-url", help="read rollouts from the Redis stream (default: through the gateway)")
     p.add_argument("--job", default=d.job, help="prefix of rollout ids")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (training, evaluations)")
+    p.add_argument("--verbose", action="store_true", help="debug logging (a line per step)")
     p.add_argument("--status-port", type=int, default=0,
                    help="serve GET /status (progress as JSON) and /healthz on this port (0: off)")  # fmt: skip
     p.add_argument("--status-host", default="127.0.0.1", help="address of the status endpoint")
