@@ -4,10 +4,24 @@ dimmed before the answer."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 DIM, RESET = "\033[2m", "\033[0m"
+URL_ENV = "GLM5_URL"  # the OpenAI-compatible base URL `glm5 chat` talks to without --url
+DEFAULT_URL = "http://localhost:8000/v1"
+CONNECT_TIMEOUT_S = 3.0  # the first call: nothing listening fails at once, a host that drops packets in this
+
+
+def add_arguments(c: argparse.ArgumentParser) -> None:
+    c.add_argument("message", nargs="?", help="one message; without it, an interactive session")
+    c.add_argument("--url", default=os.environ.get(URL_ENV) or DEFAULT_URL,
+                   help=f"OpenAI-compatible base URL of a router, as glm5 serve prints it (or ${URL_ENV})")  # fmt: skip
+    c.add_argument("--thinking", choices=["off", "light", "deep"],
+                   help="reasoning for this chat (default: the router's --thinking-policy)")  # fmt: skip
+    c.add_argument("--max-tokens", type=int, default=256, help="tokens generated per reply at most")
+    c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's; 0: greedy)")
 
 
 def _once(client: Any, model: str, history: list[dict[str, Any]], a: argparse.Namespace) -> str:
@@ -46,7 +60,15 @@ def run(a: argparse.Namespace) -> int:
 
     client = openai.OpenAI(base_url=a.url, api_key="not-needed")
     try:
-        model = client.models.list().data[0].id
+        try:
+            # no retries and a short timeout for the first call: the client's own (2 retries with backoff, a
+            # 10-minute timeout) made "nothing is running" a long wait ending in "Connection error."
+            first = client.with_options(max_retries=0, timeout=openai.Timeout(30.0, connect=CONNECT_TIMEOUT_S))
+            model = first.models.list().data[0].id
+        except openai.APIConnectionError as exc:
+            print(f"error: nothing answers at {a.url} ({exc.__cause__ or exc}); start it with `glm5 serve`, or "
+                  f"point --url (or ${URL_ENV}) at a router", file=sys.stderr)  # fmt: skip
+            return 1
         history: list[dict[str, Any]] = []
         messages = [a.message] if a.message else None
         while True:

@@ -1,17 +1,19 @@
-"""The `glm5` command: one entry point for every service and tool."""
+"""The `glm5` command: one entry point for every service and tool.
+
+Nothing heavy is imported here: each sub-command's flags are declared, and its module imported, only when that
+sub-command runs or shows its help (glm5_cli.lazy), so `glm5 --help` and `glm5 chat` start at once."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 from glm5.errors import ConfigError, Glm5Error
-from glm5.security import add_internal_token_arguments, add_tls_arguments
-from glm5.yamlfile import read_yaml
+
+from glm5_cli.lazy import Declare, HelpFormatter, LazyParser
 
 
 def _init_model(a: argparse.Namespace) -> None:
@@ -22,63 +24,9 @@ def _init_model(a: argparse.Namespace) -> None:
 
 
 def _generate(a: argparse.Namespace) -> None:
-    from glm5.client import GenerateClient, sampling
-    from glm5.security import internal_token_from_args, read_secrets, tls_from_args
-    from glm5.v1 import common_pb2, worker_pb2
+    from glm5_cli.generate import run
 
-    keys = read_secrets((), a.api_key_env, None, "API key")
-    internal = internal_token_from_args(a)
-
-    async def go() -> int:
-        async with GenerateClient(a.target, tls_from_args(a), keys[0] if keys else None, internal) as client:
-            request = worker_pb2.GenerateRequest(
-                prompt=a.prompt,
-                sampling=sampling(
-                    temperature=a.temperature,
-                    top_p=a.top_p,
-                    top_k=a.top_k,
-                    seed=a.seed,
-                    max_new_tokens=a.max_new_tokens,
-                    stop=a.stop or None,
-                ),
-                skip_special_tokens=True,
-            )
-            if a.json_schema:
-                request.sampling.structured_output.json_schema = _inline_or_file(a.json_schema)
-            elif a.json_object:
-                request.sampling.structured_output.json_object = True
-            elif a.regex:
-                request.sampling.structured_output.regex = a.regex
-            elif a.grammar:
-                request.sampling.structured_output.lark_grammar = _inline_or_file(a.grammar)
-            last = None
-            async for resp in client.generate(request, timeout=a.timeout):
-                sys.stdout.write(resp.text)
-                sys.stdout.flush()
-                last = resp
-            if last is not None:
-                u = last.usage
-                reason = common_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-                print(
-                    f"\n[{reason}; {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens]", file=sys.stderr
-                )
-        return 0
-
-    try:
-        sys.exit(asyncio.run(go()))
-    except grpc.aio.AioRpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        sys.exit(1)
-
-
-def _inline_or_file(value: str) -> str:
-    """`@path` reads the file (curl's convention); anything else is the value itself."""
-    if not value.startswith("@"):
-        return value
-    try:
-        return Path(value[1:]).read_text()
-    except OSError as exc:
-        sys.exit(f"error: cannot read {value[1:]}: {exc.strerror}")
+    run(a)
 
 
 def _export_demo(a: argparse.Namespace) -> None:
@@ -100,6 +48,7 @@ def _worker(a: argparse.Namespace) -> None:
 
 
 def _operator(a: argparse.Namespace) -> None:
+    import asyncio
     import logging
 
     from glm5_operator.config import OperatorConfig
@@ -171,109 +120,128 @@ def _chat(a: argparse.Namespace) -> None:
     sys.exit(run(a))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from glm5_router.cli import add_arguments as router_arguments
-    from glm5_tito.app import add_arguments as tito_arguments
-    from glm5_worker.cli import add_arguments as worker_arguments
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_cli.serve import add_arguments
 
-    from glm5_cli.serve import add_arguments as serve_arguments
+    add_arguments(p)
 
-    parser = argparse.ArgumentParser(prog="glm5", description="Serve and RL-train GLM-5-family models.")
-    sub = parser.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="run workers and the router on this machine (the local stack)")
-    serve_arguments(s)
-    s.set_defaults(func=_serve)
+def _chat_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_cli.chat import add_arguments
 
-    c = sub.add_parser("chat", help="chat with a router's OpenAI-compatible API (streams reasoning and answer)")
-    c.add_argument("message", nargs="?", help="one message; without it, an interactive session")
-    c.add_argument("--url", default="http://localhost:8000/v1")
-    c.add_argument("--thinking", choices=["off", "light", "deep"])
-    c.add_argument("--max-tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float)
-    c.set_defaults(func=_chat)
+    add_arguments(p)
 
-    t = sub.add_parser("tito-gateway", help="token-in-token-out gateway for RL rollouts over worker engines")
-    tito_arguments(t)
-    _add_config_file(t)
-    t.set_defaults(func=_tito)
 
-    from glm5_trainer.app import add_arguments as trainer_arguments
+def _tito_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_tito.app import add_arguments
 
-    from glm5_cli.rl import add_arguments as rl_arguments
+    add_arguments(p)
+    _add_config_file(p)
 
-    rl = sub.add_parser("rl", help="the RL loop on this machine: rollout workers, TITO gateway and trainer")
-    rl_arguments(rl)
-    rl.set_defaults(func=_rl)
 
-    tr = sub.add_parser("trainer", help="the RL trainer: rollouts through a TITO gateway, weights to the engines")
-    trainer_arguments(tr)
-    _add_config_file(tr)
-    tr.set_defaults(func=_trainer)
+def _rl_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_cli.rl import add_arguments
 
-    r = sub.add_parser("router", help="the front door: gRPC + OpenAI-compatible HTTP over workers")
-    router_arguments(r)
-    _add_config_file(r)
-    r.set_defaults(func=_router)
+    add_arguments(p)
 
-    w = sub.add_parser("worker", help="serve a model over gRPC (the inference engine)")
-    worker_arguments(w)
-    _add_config_file(w)
-    w.set_defaults(func=_worker)
 
-    g = sub.add_parser("generate", help="stream a completion from a worker or router")
-    g.add_argument("prompt")
-    g.add_argument("--target", default="localhost:50050",
-                   help="host:port of a router (glm5 serve's gRPC port) or of a worker")  # fmt: skip
-    g.add_argument("--api-key-env", help="environment variable holding the router's API key")
-    add_tls_arguments(g)
-    add_internal_token_arguments(g)  # a worker started with one answers only callers that send it
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    fmt = g.add_mutually_exclusive_group()
-    fmt.add_argument("--json-schema", help="structured output: a JSON Schema (inline JSON, or @FILE)")
-    fmt.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
-    fmt.add_argument("--regex", help="structured output: the whole completion matches this regular expression")
-    fmt.add_argument("--grammar", help="structured output: a Lark grammar (inline, or @FILE)")
-    g.add_argument("--timeout", type=float, default=300.0)
-    g.set_defaults(func=_generate)
+def _trainer_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_trainer.app import add_arguments
 
-    o = sub.add_parser("operator", help="run the Kubernetes operator against the current kubeconfig / service account")
+    add_arguments(p)
+    _add_config_file(p)
+
+
+def _router_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_router.cli import add_arguments
+
+    add_arguments(p)
+    _add_config_file(p)
+
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_worker.cli import add_arguments
+
+    add_arguments(p)
+    _add_config_file(p)
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_cli.generate import add_arguments
+
+    add_arguments(p)
+
+
+def _operator_arguments(o: argparse.ArgumentParser) -> None:
     o.add_argument("--namespace", help="watch only this namespace (default: all, or $GLM5_WATCH_NAMESPACE)")
     o.add_argument("--image", help="default image for workers, router, gateway and trainer (or $GLM5_IMAGE)")
     o.add_argument("--health-port", type=int, default=8080, help="serve /healthz on this port (0: off)")
     o.add_argument("--health-host", default="127.0.0.1", help="address of /healthz (the chart sets 0.0.0.0)")
-    o.add_argument("--verbose", action="store_true")
-    o.set_defaults(func=_operator)
+    o.add_argument("--verbose", action="store_true", help="debug logging")
 
-    from glm5_cli.demo import add_arguments as demo_arguments
 
-    d = sub.add_parser("demo-model", help="train the shipped demo model (addition) and measure it")
-    demo_arguments(d)
-    d.set_defaults(func=_demo)
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_cli.demo import add_arguments
 
-    from glm5_cli.export import add_arguments as export_arguments
+    add_arguments(p)
 
-    e = sub.add_parser("export-demo", help="write the demo model and its addition problems to files (a volume)")
-    export_arguments(e)
-    e.set_defaults(func=_export_demo)
 
-    from glm5_cli.quantize import add_arguments as quantize_arguments
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_cli.export import add_arguments
 
-    q = sub.add_parser("quantize", help="quantize a float checkpoint: block FP8, W4A16 or INT4 experts + FP8")
-    quantize_arguments(q)
-    q.set_defaults(func=_quantize)
+    add_arguments(p)
 
-    m = sub.add_parser("init-model", help="write a small random-weight GLM-5-architecture checkpoint")
-    m.add_argument("--preset", default="tiny")
-    m.add_argument("--out", required=True)
-    m.add_argument("--seed", type=int, default=0)
-    m.set_defaults(func=_init_model)
+
+def _quantize_arguments(p: argparse.ArgumentParser) -> None:
+    from glm5_cli.quantize import add_arguments
+
+    add_arguments(p)
+
+
+def _init_model_arguments(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--preset", default="tiny", help="model size (glm5.model.presets: tiny, ...)")
+    m.add_argument("--out", required=True, help="checkpoint directory to write")
+    m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+
+
+# name, one-line help, flags (declared when the sub-command is used), what runs it
+COMMANDS: tuple[tuple[str, str, Declare, Callable[[argparse.Namespace], None]], ...] = (
+    ("serve", "run workers and the router on this machine (the local stack)", _serve_arguments, _serve),
+    ("chat", "chat with a router's OpenAI-compatible API (streams reasoning and answer)", _chat_arguments, _chat),
+    ("tito-gateway", "token-in-token-out gateway for RL rollouts over worker engines", _tito_arguments, _tito),
+    ("rl", "the RL loop on this machine: rollout workers, TITO gateway and trainer", _rl_arguments, _rl),
+    ("trainer", "the RL trainer: rollouts through a TITO gateway, weights to the engines", _trainer_arguments,
+     _trainer),
+    ("router", "the front door: gRPC + OpenAI-compatible HTTP over workers", _router_arguments, _router),
+    ("worker", "serve a model over gRPC (the inference engine)", _worker_arguments, _worker),
+    ("generate", "stream a completion from a router or worker (--chat: with the chat template)",
+     _generate_arguments, _generate),
+    ("operator", "run the Kubernetes operator against the current kubeconfig / service account",
+     _operator_arguments, _operator),
+    ("demo-model", "train the shipped demo model (addition) and measure it", _demo_arguments, _demo),
+    ("export-demo", "write the demo model and its addition problems to files (a volume)", _export_arguments,
+     _export_demo),
+    ("quantize", "quantize a float checkpoint: block FP8, W4A16 or INT4 experts + FP8", _quantize_arguments,
+     _quantize),
+    ("init-model", "write a small random-weight GLM-5-architecture checkpoint", _init_model_arguments, _init_model),
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `glm5` parser; each sub-command's flags are declared when it is used (`LazyParser.declare`)."""
+    parser = argparse.ArgumentParser(prog="glm5", description="Serve and RL-train GLM-5-family models.",
+                                     formatter_class=HelpFormatter)  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser, metavar="COMMAND")
+    for name, summary, declare, func in COMMANDS:
+        s = sub.add_parser(name, help=summary, description=summary, declare=declare)
+        s.set_defaults(func=func)
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, LazyParser]:
+    """The sub-commands' parsers by name, their flags declared (the help tests walk them)."""
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: p.declare() for name, p in action.choices.items() if isinstance(p, LazyParser)}
 
 
 def _add_config_file(p: argparse.ArgumentParser) -> None:
@@ -288,6 +256,8 @@ def _add_config_file(p: argparse.ArgumentParser) -> None:
 
 def _config_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     """Flag values from a config file, checked against the sub-command's flags so a typo is an error."""
+    from glm5.yamlfile import read_yaml
+
     data = read_yaml(path, "config file", kind="YAML/JSON")
     if data is None:
         return {}
