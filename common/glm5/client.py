@@ -103,3 +103,17 @@ class GenerateClient:
         worker = worker_stub(self.channel, self.internal_token)
         async for resp in worker.Generate(request, timeout=timeout, metadata=self.metadata):
             yield resp
+
+    async def chat(
+        self,
+        request: worker_pb2.GenerateRequest,
+        timeout: float | None = None,
+        thinking: router_pb2.ThinkingMode = router_pb2.THINKING_MODE_UNSPECIFIED,
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """`request.prompt` as one user message in the model's chat template: a router's (`chat` in
+        RouterGenerateRequest), with reasoning and content apart; a worker answers UNIMPLEMENTED."""
+        router = router_pb2_grpc.RouterStub(self.channel)  # type: ignore[no-untyped-call]
+        call = router.Generate(router_pb2.RouterGenerateRequest(request=request, chat=True, thinking=thinking),
+                               timeout=timeout, metadata=self.metadata)  # fmt: skip
+        async for resp in call:
+            yield resp
