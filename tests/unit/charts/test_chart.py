@@ -183,3 +183,31 @@ def test_notes_commands_give_the_examples_from_the_installed_chart(tmp_path: Pat
     assert cpu == (CHART / "examples" / "cpu.yaml").read_text()
     listed = re.search(r"The other examples: (.*)$", notes, re.M)
     assert listed is not None and set(listed.group(1).split()) == {p.name for p in (CHART / "examples").glob("*.yaml")}
+
+
+def test_notes_name_the_examples_own_resources() -> None:
+    """NOTES.txt said `svc/<name>-router`: the commands after applying cpu.yaml name its GLM5Deployment."""
+    notes = helm("install", "x", str(CHART), "--namespace", "glm5-system", "--dry-run=client").stdout
+    notes = notes[notes.index("NOTES:") :]
+    name = yaml.safe_load((CHART / "examples" / "cpu.yaml").read_text())["metadata"]["name"]
+    assert "<name>" not in notes
+    for command in (f"kubectl get glm5d {name} -w", f"kubectl port-forward svc/{name}-router 8000:8000",
+                    f"kubectl scale glm5d {name} --replicas 2", f"kubectl get glm5d {name} -o jsonpath="):  # fmt: skip
+        assert command in notes, command
+    assert "demo-data-one-node.yaml" in notes.split("The other examples:")[0]  # said where a one-node user needs it
+
+
+def test_the_one_node_demo_data_differs_only_in_access_modes() -> None:
+    """demo-data-one-node.yaml (kind, minikube) is demo-data.yaml with ReadWriteOnce claims: the same claims, Job
+    and image, so the other examples work on it unchanged."""
+    shared = list(yaml.safe_load_all((CHART / "examples" / "demo-data.yaml").read_text()))
+    one_node = list(yaml.safe_load_all((CHART / "examples" / "demo-data-one-node.yaml").read_text()))
+    claims = [d for d in one_node if d["kind"] == "PersistentVolumeClaim"]
+    assert {c["metadata"]["name"] for c in claims} == {"glm5-models", "glm5-datasets"}
+    assert all(c["spec"]["accessModes"] == ["ReadWriteOnce"] for c in claims)
+    for doc in shared:
+        if doc["kind"] == "PersistentVolumeClaim":
+            doc["spec"]["accessModes"] = ["ReadWriteOnce"]
+    assert one_node == shared
+    for doc in one_node:
+        kubernetes_validate.validate(doc, "1.33.0", strict=True)
