@@ -49,10 +49,12 @@ def test_a_worker_container_runs_glm5_with_its_volumes_and_downward_env(tmp_path
     children = _children()
     (pod,) = statefulset_pods(children["StatefulSet", "tiny-worker"])
     objects = Objects(config_maps={"tiny-engine": children["ConfigMap", "tiny-engine"]},
-                      secrets={"tiny-admin": children["Secret", "tiny-admin"]})  # fmt: skip
+                      secrets={name: children["Secret", name] for name in ("tiny-admin", "tiny-internal")})  # fmt: skip
     volumes = write_volumes(pod, objects, tmp_path / "pod", tmp_path / "claims")
     assert json.loads((volumes["engine"] / "engine.json").read_text())["port"] == 50051
     assert (volumes["admin"] / "token").read_text() == children["Secret", "tiny-admin"]["stringData"]["token"]
+    internal = children["Secret", "tiny-internal"]["stringData"]["token"]
+    assert (volumes["internal"] / "token").read_text() == internal
     assert volumes["model"] == tmp_path / "claims" / "glm5-models"  # one directory per claim, shared
     container = pod["spec"]["containers"][0]
     run = launch(pod, container, objects, volumes, "127.0.0.7")
