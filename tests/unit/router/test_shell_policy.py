@@ -12,9 +12,23 @@ from glm5.parsing.tools import ShellPolicy
 DATA = Path(__file__).parent / "data"
 
 
+def _decode(line: str) -> str:
+    """A corpus line as the command it stands for: `\\n` a newline, `\\\\` one backslash, any other backslash itself."""
+    out, i = [], 0
+    while i < len(line):
+        pair = line[i : i + 2]
+        if pair in ("\\n", "\\\\"):
+            out.append("\n" if pair == "\\n" else "\\")
+            i += 2
+        else:
+            out.append(line[i])
+            i += 1
+    return "".join(out)
+
+
 def _corpus(name: str) -> list[str]:
     lines = (DATA / name).read_text().splitlines()
-    return [line.replace("\\n", "\n") for line in lines if line.strip() and not line.startswith("#")]
+    return [_decode(line) for line in lines if line.strip() and not line.startswith("#")]
 
 
 DANGEROUS = _corpus("shell_dangerous.txt")
@@ -22,8 +36,9 @@ HARMLESS = _corpus("shell_harmless.txt")
 
 
 def test_the_corpus_is_large_enough() -> None:
-    assert len(DANGEROUS) >= 150 and len(HARMLESS) >= 100
-    assert len(set(DANGEROUS)) == len(DANGEROUS) and len(set(HARMLESS)) == len(HARMLESS)
+    assert len(DANGEROUS) >= 500 and len(HARMLESS) >= 300
+    duplicates = {c for c in DANGEROUS + HARMLESS if (DANGEROUS + HARMLESS).count(c) > 1}
+    assert not duplicates, sorted(duplicates)
 
 
 @pytest.mark.parametrize("command", DANGEROUS)

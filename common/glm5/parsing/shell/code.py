@@ -139,8 +139,8 @@ RULES = {
     ),
     "dc": Rules(runs=r"!"),
 }
-_EVERY = Rules(runs="|".join(f"(?:{r.runs})" for r in RULES.values() if r.runs != "!"),
-               dynamic="|".join(f"(?:{r.dynamic})" for r in RULES.values()))  # fmt: skip
+_EVERY = Rules(runs="|".join(f"(?:{r.runs.removeprefix('(?i)')})" for r in RULES.values() if r.runs != "!"),
+               dynamic="|".join(f"(?:{r.dynamic.removeprefix('(?i)')})" for r in RULES.values()))  # fmt: skip
 _HOME = re.compile(
     r"\$ENV\{\s*['\"]?HOME['\"]?\s*\}|ENV\[\s*['\"]HOME['\"]\s*\]|process\.env\.HOME|process\.env\[\s*['\"]HOME"
     r"['\"]\s*\]|os\.homedir\(\s*\)|Dir\.home|\bhomedir\b|getenv\(\s*['\"]HOME['\"]\s*\)|\$_SERVER\[\s*['\"]HOME"
@@ -164,7 +164,8 @@ def judge(lang: str, text: str, ctx: Context, argv: list[str]) -> None:
     candidates = literals(text) + argv
     home = bool(_HOME.search(text))
     if home:
-        candidates += [HOME] + [f"{HOME}/{c}" for c in candidates if not c.startswith(("/", HOME, "~"))]
+        candidates += [HOME] + [HOME + ("" if c.startswith("/") else "/") + c for c in candidates
+                                if not c.startswith((HOME, "~"))]  # fmt: skip
     deletes = re.search(rules.deletes, text) is not None
     trees = deletes and re.search(rules.trees, text) is not None
     writes = re.search(rules.writes, text) is not None or deletes

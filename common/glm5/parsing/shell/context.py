@@ -88,6 +88,8 @@ class Context:
             return [self.cwd or "."]
         if name == "TMPDIR":
             return ["/tmp"]
+        if name == "HISTFILE":
+            return [HOME + "/.bash_history"]
         return None
 
     def substitution(self, node: Node) -> list[str] | None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from glm5.parsing.shell import code
 from glm5.parsing.shell.context import Context, Refused, Stdin
+from glm5.parsing.shell.names import INSPECTORS
 from glm5.parsing.shell.options import parse
 from glm5.parsing.shell.paths import (
     PROTECTED,
@@ -30,6 +31,11 @@ from glm5.parsing.shell.paths import (
 from glm5.parsing.shell.words import DESCENDANTS, SPLIT, STAR, is_computed, literal, shown
 
 Check = Callable[[list[str], Context, Stdin], None]
+UNPACKED = "\ue000unpacked"  # the files of a downloaded archive, once unpacked
+# they name a disk without reading or writing it
+DISK_INSPECTORS = {"lsblk", "blkid", "df", "findmnt", "udevadm", "smartctl", "stat", "ls", "file", "readlink",
+                   "realpath", "namei", "lsof", "fuser", "test", "[", "[[", "echo", "printf", "basename",
+                   "dirname"}  # fmt: skip
 OUTPUT_OPTIONS = {"-o", "--output", "--output-file", "--outfile", "--out", "-out", "-keyout", "--output-dir",
                   "--outdir", "--out-dir", "--log-file", "--logfile", "--dest", "--destination",
                   "--target-directory", "--target-dir", "--directory-prefix", "-O", "--output-document",
@@ -59,6 +65,14 @@ def check_deletes(words: list[str], ctx: Context, recursive: bool, what: str = "
             raise Refused(f"{what} {shown(w)}, a protected path")
 
 
+def unpacks(archives: list[str], ctx: Context) -> None:
+    """An archive this command line downloaded, unpacked: any file run after it may come from it."""
+    for a in archives:
+        entries = ctx.facts.written.get(posixpath.basename(literal(a) or ""), [])
+        if any(e.downloaded for e in entries):
+            ctx.facts.write(UNPACKED, None, downloaded=True)
+
+
 def check_extraction(dirs: list[str], ctx: Context, what: str) -> None:
     """Unpacking an archive into a directory writes any path below it."""
     for d in dirs or [ctx.cwd or "."]:
@@ -72,7 +86,7 @@ def check_run_written(path: str, lang: str, ctx: Context) -> None:
     from glm5.parsing.shell.interpreters import code as run_code
     from glm5.parsing.shell.interpreters import shebang
 
-    entries = ctx.facts.written.get(posixpath.basename(path))
+    entries = ctx.facts.written.get(posixpath.basename(path), []) + ctx.facts.written.get(UNPACKED, [])
     if not entries:
         return
     if any(e.downloaded for e in entries):
@@ -85,11 +99,12 @@ def check_run_written(path: str, lang: str, ctx: Context) -> None:
 
 def generic(name: str, args: list[str], ctx: Context) -> None:
     """What any program is judged for: raw disks among its arguments, output options aimed at protected paths."""
-    for w in args:
-        for piece in _pieces(w):
-            if is_raw_disk(normalise(piece, ctx.cwd)):
-                raise Refused(f"{name} on a raw disk ({shown(piece)})")
-    if name in NOT_OUTPUT_O:
+    if name not in DISK_INSPECTORS:
+        for w in args:
+            for piece in _pieces(w):
+                if is_raw_disk(normalise(piece, ctx.cwd)):
+                    raise Refused(f"{name} on a raw disk ({shown(piece)})")
+    if name in NOT_OUTPUT_O or name in INSPECTORS:
         return
     for i, a in enumerate(args):
         option, eq, val = a.partition("=")
@@ -406,6 +421,7 @@ def _tar(args: list[str], ctx: Context, stdin: Stdin) -> None:
         if opts.has("-P", "--absolute-names"):
             raise Refused("tar -P extracts members at absolute paths")
         check_extraction(opts.value("-C", "--directory")[-1:], ctx, "tar extracts into")
+        unpacks(opts.value("-f", "--file"), ctx)
     elif opts.has("-c", "--create", "-r", "--append", "-u", "--update", "-A", "--catenate"):
         check_writes(opts.value("-f", "--file"), ctx, "tar writes to")
         if opts.has("--remove-files"):
@@ -415,12 +431,14 @@ def _tar(args: list[str], ctx: Context, stdin: Stdin) -> None:
 def _unzip(args: list[str], ctx: Context, stdin: Stdin) -> None:
     opts = parse(args, {"-d", "-P", "-x"})
     check_extraction(opts.value("-d")[-1:], ctx, "unzip extracts into")
+    unpacks(opts.operands[:1], ctx)
 
 
 def _seven_zip(args: list[str], ctx: Context, stdin: Stdin) -> None:
     if args[:1] and args[0] in ("x", "e"):
         dirs = [a[2:] for a in args if a.startswith("-o")]
         check_extraction(dirs[-1:], ctx, "7z extracts into")
+        unpacks([a for a in args[1:] if not a.startswith("-")][:1], ctx)
     elif args[:1] and args[0] in ("a", "u"):
         operands = [a for a in args[1:] if not a.startswith("-")]
         check_writes(operands[:1], ctx, "7z writes to")
@@ -466,13 +484,11 @@ def _editor(name: str) -> Check:
         if name in ("emacs", "emacsclient") and any(a in ("--eval", "-eval", "--execute", "-e") or
                                                     a.startswith(("--eval=", "--execute=")) for a in args):  # fmt: skip
             raise Refused(f"{name} evaluates Lisp given here, which is not judged")
-        if name in ("ed", "red", "ex") or (name in ("vi", "vim", "nvim") and ("-e" in args or "-E" in args
-                                                                               or "-s" in args)):  # fmt: skip
-            for text in stdin.code:
-                if text is None or "!" in text:
-                    raise Refused(f"{name} runs a command from its script (!)")
-            if stdin.piped:
-                raise Refused(f"{name} reads editing commands piped from another command")
+        for text in stdin.code:  # an editor fed a script: `!` runs a command, whatever the mode
+            if text is None or "!" in text:
+                raise Refused(f"{name} runs a command from its script (!)")
+        if stdin.piped and name in ("ed", "red", "ex", "vi", "vim", "nvim"):
+            raise Refused(f"{name} reads editing commands piped from another command")
         if name != "view":
             check_writes([a for a in args if not a.startswith(("-", "+"))], ctx, f"{name} edits")
 

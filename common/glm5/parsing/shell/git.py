@@ -43,8 +43,10 @@ def config(key: str, value: str | None, ctx: Context) -> None:
         raise Refused(f"git {key} is a command computed when it runs")
     if key.startswith("alias.") and not value.startswith("!"):
         return  # an alias for git's own subcommands
-    if key in ("core.fsmonitor",) and BOOLEAN.fullmatch(value):
-        return
+    if key == "core.fsmonitor":
+        if BOOLEAN.fullmatch(value):
+            return
+        raise Refused("git core.fsmonitor runs a program chosen by this command on every git command")
     if key.startswith("pager.") and BOOLEAN.fullmatch(value):
         return
     if key.startswith("credential.") and value in CREDENTIAL_HELPERS:
@@ -65,7 +67,7 @@ def config_variable(name: str, value: str, ctx: Context) -> None:
 
 
 def check(args: list[str], ctx: Context, stdin: Stdin) -> None:
-    from glm5.parsing.shell.files import check_writes
+    from glm5.parsing.shell.files import check_extraction, check_writes
 
     i = 0
     places: list[str] = []
@@ -85,7 +87,7 @@ def check(args: list[str], ctx: Context, stdin: Stdin) -> None:
         i += 1
     sub, rest = (args[i], args[i + 1 :]) if i < len(args) else ("", [])
     if sub in WRITES:
-        check_writes(places, ctx, f"git {sub} writes into")
+        check_extraction(places, ctx, f"git {sub} writes into")
     for a in rest:
         if a.startswith("ext::") or "::ext::" in a:
             raise Refused("a git ext:: remote runs a command")

@@ -21,6 +21,7 @@ from glm5.parsing.shell.options import parse
 from glm5.parsing.shell.words import GLOBS, is_computed, literal, shown
 
 STDIN_PATHS = ("-", "/dev/stdin", "/dev/fd/0", "/proc/self/fd/0")
+DIGIT_VALUED = "l0"
 VERSION_FLAGS = {"V", "v", "h", "?", "--version", "--help", "-version", "-help", "-Version", "--usage"}
 
 
@@ -160,7 +161,9 @@ def _cluster(args: list[str], with_value: str, rest_value: str = "", flag_words:
                 values.setdefault(a, []).append(args[i])
                 i += 1
             continue
-        for k, letter in enumerate(a[1:], start=1):
+        k = 1
+        while k < len(a):
+            letter = a[k]
             flags.add(letter)
             if letter in with_value:
                 rest = a[k + 1 :]
@@ -168,9 +171,17 @@ def _cluster(args: list[str], with_value: str, rest_value: str = "", flag_words:
                     rest, i = args[i], i + 1
                 values.setdefault(letter, []).append(rest)
                 break
+            if letter in DIGIT_VALUED:  # perl -l0, -0777: digits only, then more letters (`-lne`)
+                end = k + 1
+                while end < len(a) and a[end] in "0123456789abcdefABCDEFx":
+                    end += 1
+                values.setdefault(letter, []).append(a[k + 1 : end])
+                k = end
+                continue
             if letter in rest_value:
                 values.setdefault(letter, []).append(a[k + 1 :])
                 break
+            k += 1
     return values, flags, args[i:]
 
 
@@ -235,7 +246,7 @@ def _python(name: str, args: list[str]) -> Program:
 def _perl(name: str, args: list[str]) -> Program:
     ruby = language_of(name) == "ruby"
     values, flags, rest = _cluster(args, with_value="eIrCEF" if ruby else "eEI",
-                                   rest_value="i0xWK" if ruby else "iMmlF0dDCx")  # fmt: skip
+                                   rest_value="ixWK" if ruby else "iMmFdDCx")  # fmt: skip
     prog = Program(codes=values.get("e", []) + ([] if ruby else values.get("E", [])), flags=flags)
     prog.in_place = "i" in flags
     if name == "irb":
@@ -253,8 +264,10 @@ def _node(name: str, args: list[str]) -> Program:
         if sub == "eval":
             opts = parse(rest, {"--ext"})
             return Program(codes=opts.operands[:1], argv=opts.operands[1:])
-        if sub in ("repl",):
+        if sub == "repl":
             return Program(interactive=True)
+        if sub != "run":
+            return Program(script=sub, argv=rest)  # `deno test`, `deno fmt`, or `deno FILE`
         opts = parse(rest, {"--config", "-c", "--import-map", "--location", "--seed", "--v8-flags"},
                      first_operand_ends=True)  # fmt: skip
         return Program(script=opts.operands[0] if opts.operands else None, argv=opts.operands[1:])

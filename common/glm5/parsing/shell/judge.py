@@ -14,7 +14,7 @@ from tree_sitter import Language, Node, Parser
 
 from glm5.parsing.shell import environment, files, interpreters, network, system
 from glm5.parsing.shell.context import Context, Facts, Refused, Stdin
-from glm5.parsing.shell.names import ENV_PRINTERS, FORBIDDEN, INSPECTORS, NETWORK, PRIVILEGE, RELAYS, language, program
+from glm5.parsing.shell.names import ENV_PRINTERS, FORBIDDEN, NETWORK, PRIVILEGE, RELAYS, language, program
 from glm5.parsing.shell.paths import is_network_device, is_protected, normalise
 from glm5.parsing.shell.words import (
     DESCENDANTS,
@@ -181,7 +181,11 @@ class ShellJudge:
         name_node = node.child_by_field_name("name")
         if name_node is None:
             return
-        arg_nodes = node.children_by_field_name("argument")
+        redirects = _redirects(node)
+        starts = {r.start_byte for r in redirects}
+        # `sh 0<&3`: tree-sitter reads the descriptor number as an argument
+        arg_nodes = [a for a in node.children_by_field_name("argument")
+                     if not (text(a).isdigit() and a.end_byte in starts)]  # fmt: skip
         head = name_node.children[0] if name_node.children else name_node
         words = expand(head, ctx)
         name = program(literal(words[0]) or "") if words else ""
@@ -189,13 +193,13 @@ class ShellJudge:
             return
         for arg in arg_nodes:
             words += expand(arg, ctx)
-        words += self._dropped_dash(node)
-        stdin = self._stdin(node, ctx)
+        words += self._dropped_dash(node, redirects)
+        stdin = self._stdin(node, redirects, ctx)
         if name == "eval":
             self._eval(words[1:], ctx)
             return
         self.argv(words, ctx, stdin)
-        self._record_writes(node, words, stdin, ctx)
+        self._record_writes(redirects, words, stdin, ctx)
 
     def _evaluates_printer(self, args: list[Node], ctx: Context) -> bool:
         """`eval "$(ssh-agent -s)"`, `source <(kubectl completion bash)`: the shell runs what a known tool prints
@@ -217,43 +221,38 @@ class ShellJudge:
             raise Refused("eval runs a string computed when the command runs")
         self.script(" ".join(k for k in known if k is not None), ctx.nested())
 
-    def _dropped_dash(self, node: Node) -> list[str]:
+    def _dropped_dash(self, node: Node, redirects: list[Node]) -> list[str]:
         """tree-sitter drops a `-` written right before a heredoc (`python3 - <<EOF`); bash passes it."""
         parent = node.parent
-        if parent is None or parent.type != "redirected_statement" or parent.text is None:
+        after = [r for r in redirects if r.start_byte >= node.end_byte]
+        if parent is None or parent.type != "redirected_statement" or parent.text is None or not after:
             return []
-        redirect = next((c for c in parent.children if c.start_byte >= node.end_byte), None)
-        if redirect is None:
-            return []
-        gap = parent.text[node.end_byte - parent.start_byte : redirect.start_byte - parent.start_byte].strip()
-        if gap in (b"", b"|", b"|&", b"&&", b"||", b";", b"&"):
+        gap = parent.text[node.end_byte - parent.start_byte : after[0].start_byte - parent.start_byte].strip()
+        if gap in (b"", b"|", b"|&", b"&&", b"||", b";", b"&") or gap.isdigit():
             return []
         if gap == b"-":
             return ["-"]
         raise Refused("the command cannot be parsed as shell")
 
-    def _stdin(self, node: Node, ctx: Context) -> Stdin:
+    def _stdin(self, node: Node, redirects: list[Node], ctx: Context) -> Stdin:
         stdin = Stdin()
         previous = _previous_stage(node)
         if previous is not None:
             stdin.piped = True
             stdin.printed = self.printed(previous, ctx)
-        holders = [node] + ([node.parent] if node.parent is not None and node.parent.type == "redirected_statement"
-                            else [])  # fmt: skip
-        for holder in holders:
-            for child in holder.children:
-                if child.type == "herestring_redirect":
-                    content = [value(c, ctx) for c in child.named_children]
-                    stdin.code.append(None if any(is_computed(c) for c in content) else " ".join(content) + "\n")
-                elif child.type == "heredoc_redirect":
-                    body = next((c for c in child.children if c.type == "heredoc_body"), None)
-                    dynamic = body is not None and any(
-                        c.type in ("expansion", "simple_expansion", "command_substitution") for c in body.children
-                    )
-                    stdin.code.append(None if dynamic and not _quoted_heredoc(child) else
-                                      text(body) if body is not None else "")  # fmt: skip
-                elif child.type == "file_redirect":
-                    self._stdin_redirect(child, stdin, ctx)
+        for child in redirects:
+            if child.type == "herestring_redirect":
+                content = [value(c, ctx) for c in child.named_children]
+                stdin.code.append(None if any(is_computed(c) for c in content) else " ".join(content) + "\n")
+            elif child.type == "heredoc_redirect":
+                body = next((c for c in child.children if c.type == "heredoc_body"), None)
+                dynamic = body is not None and any(
+                    c.type in ("expansion", "simple_expansion", "command_substitution") for c in body.children
+                )
+                stdin.code.append(None if dynamic and not _quoted_heredoc(child) else
+                                  text(body) if body is not None else "")  # fmt: skip
+            elif child.type == "file_redirect":
+                self._stdin_redirect(child, stdin, ctx)
         return stdin
 
     def _stdin_redirect(self, child: Node, stdin: Stdin, ctx: Context) -> None:
@@ -270,7 +269,7 @@ class ShellJudge:
         elif ("<&" in ops or ">&" in ops) and target.isdigit() and (int(target) >= 3 or fd == "0" or "<&" in ops):
             stdin.descriptor = True  # `<&3`, `0>&1`: a descriptor opened on a socket, typically
 
-    def _record_writes(self, node: Node, words: list[str], stdin: Stdin, ctx: Context) -> None:
+    def _record_writes(self, redirects: list[Node], words: list[str], stdin: Stdin, ctx: Context) -> None:
         """Files this command writes, for a later command that runs one (`curl -o x.sh ...; sh x.sh`)."""
         name = program(literal(words[0]) or "") if words else ""
         downloaded = name in network.DOWNLOAD_NAMES or (stdin.piped and stdin.printed == network.DOWNLOADED)
@@ -281,17 +280,14 @@ class ShellJudge:
             content = None if any(k is None for k in pieces) else _unescape(" ".join(k or "" for k in pieces))
         elif (name == "tee" or (name == "cat" and not operands)) and stdin.code:
             content = None if any(c is None for c in stdin.code) else "".join(c or "" for c in stdin.code)
-        holders = [node] + ([node.parent] if node.parent is not None and node.parent.type == "redirected_statement"
-                            else [])  # fmt: skip
-        for holder in holders:
-            for child in holder.children:
-                if child.type != "file_redirect" or not any(c.type in OUTPUT_OPS for c in child.children):
-                    continue
-                dest = child.child_by_field_name("destination")
-                for target in expand(dest, ctx) if dest is not None else []:
-                    known = literal(target)
-                    if known is not None and not known.isdigit():
-                        ctx.facts.write(posixpath.basename(known), content, downloaded)
+        for child in redirects:
+            if child.type != "file_redirect" or not any(c.type in OUTPUT_OPS for c in child.children):
+                continue
+            dest = child.child_by_field_name("destination")
+            for target in expand(dest, ctx) if dest is not None else []:
+                known = literal(target)
+                if known is not None and not known.isdigit():
+                    ctx.facts.write(posixpath.basename(known), content, downloaded)
         if name == "tee":
             for target in words[1:]:
                 known = literal(target)
@@ -313,6 +309,7 @@ class ShellJudge:
         args = words[1:]
         if "/" in known:
             files.check_run_written(known, "shell", ctx)
+        network.mentions(name, args + ([stdin.file] if stdin.file is not None else []), ctx)
         if name in NETWORK:
             ctx.facts.network.append(name)
         if name in RELAYS:
@@ -342,9 +339,7 @@ class ShellJudge:
             check = CHECKS.get(name)
             if check is not None:
                 check(args, ctx, stdin)
-            if name not in INSPECTORS:
-                files.generic(name, args, ctx)
-        network.mentions(name, args, ctx)
+            files.generic(name, args, ctx)
 
     def printed(self, node: Node, ctx: Context) -> list[str] | None:
         """What a command prints, as lines, when that is known without running it."""
@@ -364,12 +359,18 @@ class ShellJudge:
         name_node = node.child_by_field_name("name")
         if name_node is None:
             return None
-        words = expand(name_node, ctx) + [w for a in node.children_by_field_name("argument") for w in expand(a, ctx)]
+        head = name_node.children[0] if name_node.children else name_node
+        words = expand(head, ctx) + [w for a in node.children_by_field_name("argument") for w in expand(a, ctx)]
         name = program(literal(words[0]) or "") if words else ""
         args = words[1:]
         previous = _previous_stage(node)
-        if name in FILTERS and previous is not None and not [a for a in args if a.startswith("-l")]:
-            return self.printed(previous, ctx)
+        operands = [a for a in args if not a.startswith("-")]
+        if name in FILTERS and not [a for a in args if a.startswith("-l")]:
+            if previous is not None:
+                return self.printed(previous, ctx)
+            stdin = self._stdin(node, _redirects(node), ctx)
+            if name == "cat" and not operands and stdin.code and all(c is not None for c in stdin.code):
+                return "".join(c or "" for c in stdin.code).splitlines()
         if name in network.DOWNLOAD_NAMES:
             return network.DOWNLOADED
         return _printed_by(name, args, ctx)
@@ -380,7 +381,7 @@ def _printed_by(name: str, args: list[str], ctx: Context) -> list[str] | None:
     if name == "echo":
         return [" ".join(a for a in args if a not in ("-n", "-e", "-E"))]
     if name == "printf" and operands:
-        return _unescape(operands[0]).splitlines() if "%" not in operands[0] else operands[1:]
+        return _printf(operands[0], operands[1:]).splitlines()
     if name in ("find", "fd", "fdfind"):
         roots = [a for a in args if not a.startswith(("-", "(", "!"))]
         roots = (roots[1:2] if name != "find" else roots[:1]) or ["."]
@@ -408,8 +409,48 @@ def _printed_by(name: str, args: list[str], ctx: Context) -> list[str] | None:
     return None
 
 
+def _printf(fmt: str, args: list[str]) -> str:
+    """What printf prints, near enough: each conversion takes the next argument; the format repeats while
+    arguments are left."""
+    conversion = re.compile(r"%%|%[-#0 +]*\d*(?:\.\d+)?[sdiqbcxXoeEfgG]")
+    out: list[str] = []
+    rest = list(args)
+    while True:
+        used = 0
+
+        def fill(m: re.Match[str]) -> str:
+            nonlocal used
+            if m.group(0) == "%%":
+                return "%"
+            used += 1
+            return rest.pop(0) if rest else ""
+
+        out.append(conversion.sub(fill, fmt))
+        if not rest or not used:
+            return _unescape("".join(out))
+
+
 def _unescape(s: str) -> str:
     return s.replace("\\n", "\n").replace("\\t", "\t")
+
+
+REDIRECTS = ("file_redirect", "heredoc_redirect", "herestring_redirect")
+
+
+def _redirects(node: Node) -> list[Node]:
+    """The redirections that apply to a command: its own, its statement's, and for the last command of a
+    pipeline those tree-sitter hangs on the whole pipeline (`a | b > f` redirects b)."""
+    out = [c for c in node.children if c.type in REDIRECTS]
+    parent = node.parent
+    if parent is not None and parent.type == "redirected_statement":
+        out += [c for c in parent.children if c.type in REDIRECTS]
+    elif parent is not None and parent.type == "pipeline":
+        stages = [c for c in parent.children if c.is_named]
+        outer = parent.parent
+        if stages and stages[-1] == node and outer is not None and outer.type == "redirected_statement":
+            out += [c for c in outer.children if c.type in REDIRECTS and c.type != "heredoc_redirect"]
+    # what follows `<<EOF` on its line (`cat <<EOF > f`) is parsed inside the heredoc redirection
+    return out + [c for h in out if h.type == "heredoc_redirect" for c in h.children if c.type in REDIRECTS]
 
 
 def _previous_stage(node: Node) -> Node | None:
@@ -422,7 +463,12 @@ def _previous_stage(node: Node) -> Node | None:
     stages = list(parent.children)
     at = stages.index(child)
     before = [c for c in stages[:at] if c.is_named]
-    if not before or not any(c.type in ("|", "|&") for c in stages[:at]):
+    if not any(c.type in ("|", "|&") for c in stages[:at]):
+        return None
+    holder = parent.parent
+    if not before and holder is not None and holder.type == "heredoc_redirect" and holder.parent is not None:
+        before = [holder.parent]  # `cat <<EOF | sh`: tree-sitter puts the rest of the pipeline in the heredoc
+    if not before:
         return None
     prev = before[-1]
     if prev.type == "redirected_statement":

@@ -87,10 +87,15 @@ ENV_PRINTERS = frozenset({"ssh-agent", "pyenv", "rbenv", "nodenv", "goenv", "jen
                           "aws_completer", "oh-my-posh", "navi", "volta"})  # fmt: skip
 
 
+ALIASES = {"nc.traditional": "nc", "nc.openbsd": "nc", "netcat.traditional": "nc", "netcat.openbsd": "nc",
+           "ncat.exe": "ncat", "fdfind": "fd", "rg.exe": "rg"}  # fmt: skip
+
+
 def program(word: str) -> str:
     """The program a command name runs: its file name, with a version suffix dropped for an interpreter
     (`/usr/bin/python3.11` -> python, `perl5.36` -> perl, `bash5` -> bash)."""
     name = posixpath.basename(word.rstrip("/")) if "/" in word else word
+    name = ALIASES.get(name, name)
     if name in INTERPRETERS:
         return name
     m = _VERSIONED.fullmatch(name)

@@ -76,12 +76,14 @@ def command_start(args: list[str], takes: Iterable[str] = (), leading: int = 0) 
         if a == "--":
             return i + 1 if not leading else _positional(args, i + 1, leading)
         if a.startswith("-") and a != "-" and a[:1] not in COMPUTED:
-            name = a.split("=", 1)[0]
-            short = a[:2]
-            if "=" not in a and (name in takes or (not a.startswith("--") and short in takes and len(a) == 2)):
-                i += 2
-            else:
-                i += 1
+            i += 1
+            if a.startswith("--") or a in takes:
+                i += int("=" not in a and a.split("=", 1)[0] in takes)
+                continue
+            for k in range(1, len(a)):  # a cluster: the first letter that takes a value takes the rest or the next
+                if "-" + a[k] in takes:
+                    i += int(k == len(a) - 1)
+                    break
             continue
         if leading:
             leading -= 1

@@ -180,8 +180,13 @@ def is_exact(path: Path) -> bool:
 
 
 def is_protected(path: Path) -> bool:
-    """A write or delete here changes the system, a start-up file, credentials or history."""
-    if not within(path, PROTECTED):
+    """A write or delete here changes the system, a start-up file, credentials or history, or a git repository's
+    hooks or settings (which run commands)."""
+    root, segments = path
+    for i in range(len(segments) - 1):
+        if segments[i] == ".git" and segments[i + 1] in ("hooks", "config"):
+            return True
+    if root == "?" or not within(path, PROTECTED):
         return False
     return not (is_exact(path) and within(path, WRITABLE))
 
@@ -192,13 +197,20 @@ def is_top(path: Path) -> bool:
     if covers(path, TOP) or covers(path, PROTECTED) or within(path, PROTECTED):
         return True
     root, segments = path
-    if segments and _tokens(segments[-1:])[0][0] != "lit":
-        return names((root, segments[:-1]), TOP)
-    return root == "" and bool(segments) and all(s == ".." for s in segments)  # a directory above the start
+    if segments and _tokens(segments[-1:])[0][0] != "lit" and names((root, segments[:-1]), TOP):
+        return True
+    tokens = _tokens(segments)
+    literal_part = [s for s, (kind, _) in zip(segments, tokens, strict=True) if kind == "lit"]
+    globbed_tail = all(kind != "lit" for kind, _ in tokens[len(literal_part) :])
+    # a directory above the one it starts in (`..`, `../../*`): the project and what holds it
+    return root == "" and bool(literal_part) and all(s == ".." for s in literal_part) and globbed_tail
 
 
 def is_credential(path: Path) -> bool:
+    """A file holding keys, tokens or passwords (a path computed at run time is not judged as one)."""
     root, segments = path
+    if root == "?":
+        return False
     name = segments[-1] if segments else ""
     if root == "/" and segments[:2] == ("etc", "ssh"):
         return len(segments) == 2 or not is_exact(path) or bool(KEY_FILE.fullmatch(name))
@@ -211,7 +223,7 @@ def is_credential(path: Path) -> bool:
 
 
 def is_raw_disk(path: Path) -> bool:
-    return any(names(path, (f"/dev/{d}",)) for d in RAW_DISKS)
+    return path[0] == "/" and any(names(path, (f"/dev/{d}",)) for d in RAW_DISKS)
 
 
 def is_network_device(path: Path) -> bool:

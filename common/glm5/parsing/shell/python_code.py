@@ -79,8 +79,8 @@ def module(name: str, argv: list[str], ctx: Context) -> None:
     if name in SERVERS or root in SERVERS:
         ctx.facts.network.append(f"python -m {name}")
         places = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-d", "--directory")]
-        network.mentions("python", places, ctx)
-        network.mentions("python", [], ctx)
+        places += [a.split("=", 1)[1] for a in argv if a.startswith("--directory=")]
+        network.mentions("python", [*places, ctx.cwd or "."], ctx)
     elif name == "timeit":
         for stmt in [a for i, a in enumerate(argv) if not a.startswith("-") and (i == 0 or argv[i - 1] != "-n")]:
             judge(stmt, ctx.nested(), [])

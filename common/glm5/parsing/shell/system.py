@@ -79,11 +79,21 @@ def _kill(args: list[str], ctx: Context, stdin: Stdin) -> None:
         raise Refused("kill of every process (or of init)")
 
 
+# what keeps the machine reachable, scheduled and logged: killing one by name is a service change, like systemctl stop
+SYSTEM_DAEMONS = frozenset({"init", "systemd", "sshd", "ssh", "cron", "crond", "atd", "rsyslogd", "syslogd",
+                            "systemd-journald", "journald", "dbus-daemon", "dockerd", "containerd", "kubelet",
+                            "udevd", "systemd-udevd", "auditd", "polkitd", "NetworkManager", "networkd",
+                            "systemd-networkd", "systemd-logind"})  # fmt: skip
+
+
 def _pkill(args: list[str], ctx: Context, stdin: Stdin) -> None:
     opts = parse(args, {"-u", "--euid", "-U", "--uid", "-g", "--pgroup", "-G", "--group", "-P", "--parent", "-s",
                         "--session", "-t", "--terminal", "--signal", "-F", "--pidfile", "-n", "-o"})  # fmt: skip
     if opts.has("-v", "--inverse") or any(o in (".", ".*", "", "^", "$", "^.*$", ".+") for o in opts.operands):
         raise Refused("kills every process")
+    daemon = next((o for o in opts.operands if o.strip("^$") in SYSTEM_DAEMONS), None)
+    if daemon is not None or "root" in opts.value("-u", "--euid", "-U", "--uid"):
+        raise Refused(f"kills {'a system service (' + shown(daemon) + ')' if daemon else 'processes of root'}")
 
 
 def _sysctl(args: list[str], ctx: Context, stdin: Stdin) -> None:
@@ -183,18 +193,32 @@ GDB_RUNS = re.compile(r"\s*(!|shell\b|pipe\b|\||python|py\b|pi\b|python-interact
 
 
 def _gdb(args: list[str], ctx: Context, stdin: Stdin) -> None:
-    takes = {"-ex", "--eval-command", "-iex", "--init-eval-command", "-x", "--command", "-ix", "-p", "--pid", "-c",
-             "--core", "-cd", "-d", "--directory", "-s", "--symbols", "-e", "--exec"}  # fmt: skip
+    """gdb's options are single-dash words (`-ex`, `-batch`), not letter clusters."""
+    takes = {"-ex", "--ex", "-eval-command", "--eval-command", "-iex", "--iex", "-init-eval-command",
+             "--init-eval-command", "-x", "--command", "-command", "-ix", "-p", "--pid", "-pid", "-c", "--core",
+             "-core", "-cd", "--cd", "-d", "--directory", "-s", "--symbols", "-e", "--exec", "-se", "-b", "-i",
+             "--interpreter", "-interpreter", "-tty", "--tty"}  # fmt: skip
+    runs = {"-ex", "--ex", "-eval-command", "--eval-command", "-iex", "--iex", "-init-eval-command",
+            "--init-eval-command"}  # fmt: skip
     if "--args" in args:
         at = args.index("--args")
         ctx.judge.argv(args[at + 1 :], ctx, Stdin())
         args = args[:at]
-    opts = parse(args, takes)
-    for cmd in opts.value("-ex", "--eval-command", "-iex", "--init-eval-command"):
-        if is_computed(cmd) or GDB_RUNS.match(cmd):
-            raise Refused(f"gdb runs a command ({shown(cmd)})")
-    if opts.operands:
-        ctx.judge.argv(opts.operands[:1], ctx, Stdin())
+    operands: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name, eq, val = a.partition("=")
+        if name in takes:
+            if not eq:
+                val, i = (args[i + 1] if i + 1 < len(args) else ""), i + 1
+            if name in runs and (is_computed(val) or GDB_RUNS.match(val)):
+                raise Refused(f"gdb runs a command ({shown(val)})")
+        elif not a.startswith("-"):
+            operands.append(a)
+        i += 1
+    if operands:
+        ctx.judge.argv(operands[:1], ctx, Stdin())
     for text in stdin.code:
         if text is None or any(GDB_RUNS.match(line) for line in text.splitlines()):
             raise Refused("gdb runs a command from its script")
@@ -240,6 +264,24 @@ def _man(args: list[str], ctx: Context, stdin: Stdin) -> None:
         ctx.judge.script(cmd, ctx.nested())
 
 
+def _kubectl(args: list[str], ctx: Context, stdin: Stdin) -> None:
+    from glm5.parsing.shell.files import CHECKS
+
+    if "cp" in args:
+        CHECKS["cp"](args[args.index("cp") + 1 :], ctx, stdin)
+
+
+def _zip(args: list[str], ctx: Context, stdin: Stdin) -> None:
+    """`zip -TT CMD` / `--unzip-command CMD` tests the archive with a command of this one's choosing."""
+    for i, a in enumerate(args):
+        name, eq, val = a.partition("=")
+        if name in ("-TT", "--unzip-command"):
+            cmd = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if is_computed(cmd):
+                raise Refused("zip -TT runs a command computed when it runs")
+            ctx.judge.script(cmd, ctx.nested())
+
+
 def _nmap(args: list[str], ctx: Context, stdin: Stdin) -> None:
     if "--interactive" in args:
         raise Refused("nmap --interactive runs commands typed into it")
@@ -251,5 +293,5 @@ CHECKS: dict[str, Check] = {
     "nerdctl": _containers, "journalctl": _journalctl, "dmesg": _dmesg, "history": _history, "set": _set,
     "shopt": _shopt, "alias": _alias, "trap": _trap, "enable": _enable, "hash": _hash, "gdb": _gdb,
     "less": _pager, "more": _pager, "most": _pager, "man": _man, "nmap": _nmap,
-    "git": git.check,
+    "git": git.check, "kubectl": _kubectl, "zip": _zip,
 }  # fmt: skip

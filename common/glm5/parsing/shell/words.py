@@ -137,15 +137,24 @@ def _alternatives(node: Node, env: Environment, quoted: bool) -> list[str]:
         except UnicodeDecodeError:
             return [UNKNOWN]
     if kind in ("string", "translated_string"):
+        # newlines between the parts are in no child: the text between children is taken from the node itself
+        source = node.text or b""
         parts: list[list[str]] = []
+        pos: int | None = None
         for child in node.children:
-            if child.type in ('"', "$"):
+            if pos is None:
+                if child.type == '"':
+                    pos = child.end_byte
                 continue
+            if child.start_byte > pos:
+                parts.append([_double_quoted(source[pos - node.start_byte : child.start_byte - node.start_byte])])
+            if child.type == '"':
+                break
             if child.type == "string_content":
-                parts.append([re.sub(r"\\([$`\"\\\n])", lambda m: "" if m.group(1) == "\n" else m.group(1),
-                                     text(child))])  # fmt: skip
+                parts.append([_double_quoted(child.text or b"")])
             else:
                 parts.append(_alternatives(child, env, quoted=True))
+            pos = child.end_byte
         return _product(parts)
     if kind == "concatenation":
         return _product([_alternatives(c, env, quoted) for c in node.children])
@@ -164,6 +173,11 @@ def _alternatives(node: Node, env: Environment, quoted: bool) -> list[str]:
     return [UNKNOWN if quoted else SPLIT]
 
 
+def _double_quoted(raw: bytes) -> str:
+    """Inside double quotes a backslash escapes only $ ` " \\ and newline (which it removes)."""
+    return re.sub(r"\\([$`\"\\\n])", lambda m: "" if m.group(1) == "\n" else m.group(1), raw.decode(errors="replace"))
+
+
 def _expansion(node: Node, env: Environment, quoted: bool) -> list[str]:
     names = [c for c in node.children if c.type == "variable_name"]
     others = [c for c in node.children if c.type not in ("$", "${", "}", "variable_name")]
@@ -171,6 +185,8 @@ def _expansion(node: Node, env: Environment, quoted: bool) -> list[str]:
         return [UNKNOWN if quoted else SPLIT]  # $@, ${#x}, ${!x}, ${x[i]}: not followed
     name = text(names[0])
     held = env.variable(name)
+    if not quoted and env.variable("IFS") is not None:
+        return [SPLIT]  # words split at characters this script chose
     if others:
         # `${X:-default}` and its kind may be X or the default; any other operator computes a new value
         if others[0].type not in (":-", "-", ":=", "=") or len(others) > 2:

@@ -108,8 +108,11 @@ def unwrap(name: str, args: list[str], ctx: Context, stdin: Stdin) -> bool:
     """Judges the command a wrapper runs; False when `name` is not a wrapper."""
     judge = ctx.judge
     if name in GENERIC:
+        from glm5.parsing.shell.files import generic
+
         takes, leading = GENERIC[name]
         start = command_start(args, takes, leading)
+        generic(name, args[:start], ctx)  # `time -o FILE`, `strace -o FILE`
         if name == "entr" and "-s" in args[:start]:
             _script(args[start : start + 1], ctx)
             return True
@@ -227,7 +230,8 @@ def _xargs(args: list[str], ctx: Context, stdin: Stdin) -> None:
         for item in items:
             ctx.judge.argv([w.replace(replace[0], item) for w in command], ctx, Stdin())
         return
-    words = [w for item in items for w in (item.split() if known is not None else [item])]
+    whole = opts.has("-0", "--null", "-d", "--delimiter")  # items are not split at blanks
+    words = [w for item in items for w in (item.split() if known is not None and not whole else [item])]
     ctx.judge.argv([*command, *words], ctx, Stdin())
 
 
