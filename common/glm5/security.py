@@ -204,7 +204,7 @@ def _metadata(details: grpc.HandlerCallDetails, key: str) -> str:
     return ""
 
 
-def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+def rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that ends the call with `code` before reading anything."""
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -240,8 +240,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None or _service(details.method) in OPEN_SERVICES:
             return handler
         if not any_matches(self.keys, bearer(_metadata(details, "authorization"))):
-            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED,
-                              "a valid API key is required: metadata 'authorization: Bearer <key>'")  # fmt: skip
+            return rejecting(handler, grpc.StatusCode.UNAUTHENTICATED,
+                             "a valid API key is required: metadata 'authorization: Bearer <key>'")  # fmt: skip
         return handler
 
 
@@ -259,9 +259,9 @@ class InternalTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
             return handler
         presented = _metadata(details, INTERNAL_TOKEN_METADATA)
         if not (presented and self.token.matches(presented)):
-            return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED,
-                              f"this server answers its deployment's internal callers only: metadata "
-                              f"'{INTERNAL_TOKEN_METADATA}' is missing or wrong")  # fmt: skip
+            return rejecting(handler, grpc.StatusCode.UNAUTHENTICATED,
+                             f"this server answers its deployment's internal callers only: metadata "
+                             f"'{INTERNAL_TOKEN_METADATA}' is missing or wrong")  # fmt: skip
         return handler
 
 
@@ -327,9 +327,9 @@ class AdminInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         name = details.method.rsplit("/", 1)[-1]
         if not self.policy.configured:
-            return _rejecting(handler, grpc.StatusCode.PERMISSION_DENIED,
-                              f"{name} is disabled on this server: start it with --admin-token-file or "
-                              "--tls-ca and --admin-identity")  # fmt: skip
+            return rejecting(handler, grpc.StatusCode.PERMISSION_DENIED,
+                             f"{name} is disabled on this server: start it with --admin-token-file or "
+                             "--tls-ca and --admin-identity")  # fmt: skip
         assert not handler.response_streaming, "admin RPCs answer once"
         streaming = handler.request_streaming  # PushWeights: checked before the first message is read
         inner, policy = (handler.stream_unary if streaming else handler.unary_unary), self.policy
@@ -426,6 +426,7 @@ __all__ = [
     "is_loopback",
     "read_secrets",
     "redact_url",
+    "rejecting",
     "sync_channel",
     "tls_from_args",
 ]  # fmt: skip

@@ -112,12 +112,15 @@ async def start_serving(
     port: int,
     tls: TlsConfig = NO_TLS,
     service_ready: bool = True,
+    loading: bool = False,
 ) -> tuple[HealthServicer, int]:
     """Adds the service, grpc.health.v1 and reflection, binds host:port (0: any free port; TLS when `tls` is on),
     starts, and reports SERVING for "" (the process is alive: liveness) and for the service unless `service_ready`
-    is False (NOT_SERVING until the caller sets it: readiness probes ask for the service by name). Returns the
-    health servicer (for graceful shutdown and that later set) and the bound port. A port that cannot be bound is a
-    BindError naming it."""
+    is False (NOT_SERVING until the caller sets it: readiness probes ask for the service by name). `loading`: ""
+    and the service both say NOT_SERVING until the caller sets them (a worker that binds its port before it loads
+    its model: the kubelet's startup and readiness probes of a worker ask for ""). Returns the health servicer (for
+    graceful shutdown and those later sets) and the bound port. A port that cannot be bound is a BindError naming
+    it."""
     add_service(server)
     health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -130,9 +133,12 @@ async def start_serving(
     if bound == 0:
         raise BindError(f"cannot listen on {host}:{port} (gRPC): the port is in use or the address is not on this host")
     status = health_pb2.HealthCheckResponse
-    await health.set(service_name, status.SERVING if service_ready else status.NOT_SERVING)
+    await health.set(service_name, status.SERVING if service_ready and not loading else status.NOT_SERVING)
+    if loading:  # the servicer starts with "" SERVING
+        await health.set("", status.NOT_SERVING)
     await server.start()
-    await health.set("", status.SERVING)
+    if not loading:
+        await health.set("", status.SERVING)
     return health, bound
 
 

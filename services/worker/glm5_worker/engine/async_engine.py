@@ -2,8 +2,10 @@
 
 Every engine call (add, abort, stats) is a command queued to the engine thread, so the engine is only ever
 touched by one thread and model steps never block the event loop. The engine is also built on that thread
-(weights read, decode steps compiled): OpenMP keeps a thread pool per thread that ran torch code, and a second
-live pool slows every step (threads.py).
+(weights read): OpenMP keeps a thread pool per thread that ran torch code, and a second live pool slows every
+step (threads.py). Its decode steps compile on a thread that exits when they are built (seconds from the cache,
+minutes cold) while the engine thread serves eagerly; a command then switches the engine to them between two
+steps.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any, TypeVar
 
 from glm5.errors import Glm5Error
 
+from glm5_worker.engine.compiled import CompiledDecode
 from glm5_worker.engine.engine import Engine, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams
-from glm5_worker.engine.threads import settle
+from glm5_worker.engine.threads import in_own_thread, settle
 from glm5_worker.parallel.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
@@ -82,9 +85,11 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 class AsyncEngine:
     engine: Engine
 
-    def __init__(self, build: Callable[[], Engine], on_fatal: Callable[[str], None] | None = None) -> None:
-        """Builds the engine with `build()` on the engine thread; `started()` waits for it. `on_fatal(reason)`
-        is called (on the engine thread) once the replica is lost."""
+    def __init__(
+        self, build: Callable[[], Engine], on_fatal: Callable[[str], None] | None = None, begin: bool = True
+    ) -> None:
+        """Builds the engine with `build()` on the engine thread, from now on or (`begin` False) from begin();
+        `started()` waits for it. `on_fatal(reason)` is called (on the engine thread) once the replica is lost."""
         self._on_fatal = on_fatal
         self._built: Future[Engine] = Future()
         self.fatal: str | None = None
@@ -97,6 +102,11 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, args=(build,), name="glm5-engine", daemon=True)
+        if begin:
+            self.begin()
+
+    def begin(self) -> None:
+        """Starts the engine thread, which builds the engine (the worker binds its port first)."""
         self._thread.start()
 
     @classmethod
@@ -131,6 +141,7 @@ class AsyncEngine:
         if settle(self._built, build) is not None or self._built.cancelled():  # nothing to serve with
             return
         self.engine = self._built.result()
+        self._compile()
         while not self._stop.is_set():
             idle = not self.engine.has_work
             try:
@@ -149,6 +160,21 @@ class AsyncEngine:
                     self.engine.idle()
                 except ReplicaFailure as exc:
                     self._lose_replica(exc)
+
+    def _compile(self) -> None:
+        """Starts compiling the decode steps on a thread of their own (one that exits when they are built, taking
+        its OpenMP pool with it); the engine takes them between two steps. Until then every step runs eagerly."""
+        job = self.engine.compile_in_background()
+        if job is None:
+            return
+
+        def done(fut: Future[CompiledDecode]) -> None:
+            compiled = fut.result() if fut.exception() is None else None
+            if compiled is None:
+                log.error("compiling decode steps failed: %s", fut.exception())
+            self.call(lambda: self.engine.use_compiled(compiled))  # between two steps
+
+        in_own_thread(job, "glm5-compile").add_done_callback(done)
 
     def _execute(self, fn: Callable[[], Any], fut: Future[Any]) -> None:
         exc = settle(fut, fn)
@@ -277,6 +303,8 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._accepting = False
         self._stop.set()
+        if self._thread.ident is None:  # never begun: nothing was built
+            return
         self._thread.join(timeout=5)
         if self._built.done() and self._built.exception() is None:
             self.engine.close()

@@ -9,14 +9,19 @@ sizes, so a handful of graphs covers every step:
 - contexts up to top-k tokens (every token picked, no indexer scoring) and longer ones (the block-table width
   symbolic: the context is padded to whole blocks and masked by the context lengths).
 
-All of them are compiled at start-up (reported, bounded by compile_budget_s, kept on disk by inductor's caches
-between starts), and none afterwards: a step that would need a new graph (dynamic sparsity changed a layer's
-top-k, say) runs eagerly instead. Prefill chunks, contexts long enough for in-place index scoring and larger
-batches stay eager too.
+A serving worker compiles them on a thread of its own while its engine thread steps eagerly, and the engine takes
+them all at once when the last one is built (Engine.compile_in_background); Engine built directly (tests,
+benchmarks) compiles them before it returns. Compiling is reported and bounded by compile_budget_s, and kept on
+disk by inductor's caches between starts; nothing is compiled afterwards: a step that would need a new graph
+(dynamic sparsity changed a layer's top-k, say) runs eagerly instead. Prefill chunks, contexts long enough for
+in-place index scoring and larger batches stay eager too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -120,6 +125,7 @@ class CompiledDecode:
         # layers whose attention entropy a decode step measures: those with attention over a pick (all of them)
         self.entropy_layers = list(range(cfg.num_hidden_layers))
         self.compile_seconds = 0.0
+        self.cache_hits = 0  # graphs warm_up found in inductor's cache
         self.steps = 0  # decode steps run compiled
         self.fallbacks = 0  # decode steps that needed a graph not compiled at start-up
         self._fns = {shape: _compile(self._decode, shape) for shape in SHAPES}  # type: ignore[arg-type]
@@ -155,22 +161,62 @@ class CompiledDecode:
         return rows, table
 
     # start-up ------------------------------------------------------------------------------------------------
-    def warm_up(self) -> None:
-        """Compiles every shape, most useful first (one user, a long context), while the budget lasts. Writes
-        the KV of dummy tokens into block 0's first slots: nothing is cached yet, and a sequence given that
-        block writes its own tokens there before it reads them."""
+    def shapes(self) -> list[Shape]:
+        """The shapes warm_up compiles, most useful first (one user, a long context)."""
+        return [s for s in SHAPES if (self.long_width if s.long else self.short_width) is not None
+                and (s.single or self.max_batch >= 2)]  # fmt: skip
+
+    def _key(self) -> str:
+        """What inductor's cache keys depend on, roughly (the code itself aside): a start that finds its key in
+        the record below expects cached graphs. The KV pool's sizes are in it: graphs over another pool size
+        are compiled again."""
+        r = self.runner
+        assert r.storage is not None
+        pools = [(tuple(t.shape), str(t.dtype)) for t in vars(r.storage).values() if isinstance(t, torch.Tensor)]
+        parts = (torch.__version__, repr(r.model.config), str(r.rc.dtype), self.block_size, self.max_batch, pools,
+                 repr(_OPTIONS), [str(s) for s in self.shapes()])  # fmt: skip
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+    @property
+    def _record(self) -> Path:
+        return self.cache_dir / "glm5-compiles.json"
+
+    def _recorded(self) -> dict[str, float]:
+        try:
+            data = json.loads(self._record.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {k: float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def expectation(self) -> str:
+        """What the coming compile should cost, for the log line that announces it."""
+        seconds = self._recorded().get(self._key())
+        if seconds is not None:
+            return f"cached: the last start took {seconds:.0f} s"
+        return "not cached yet: a few minutes (2-4 on a 2-core CPU), then cached"
+
+    def warm_up(self, scratch_block: int = 0) -> None:
+        """Compiles every shape, most useful first, while the budget lasts. Writes the KV of dummy tokens into
+        `scratch_block`'s first slots and reads only that block: a block no sequence holds meanwhile (block 0
+        before anything is cached; Engine.compile_in_background reserves one while the engine serves)."""
+        shapes = self.shapes()
+        log.info("compiling decode steps: %d graphs (batches of 1%s; short and long contexts) with inductor, cache "
+                 "%s: %s", len(shapes), f" and 2-{self.max_batch}" if self.max_batch > 1 else "", self.cache_dir,
+                 self.expectation())  # fmt: skip
         start = time.perf_counter()
-        for shape in SHAPES:
+        inductor = torch._dynamo.utils.counters["inductor"]
+        hits0 = inductor["fxgraph_cache_hit"]
+        for shape in shapes:
             width = self.long_width if shape.long else self.short_width
-            if width is None or (not shape.single and self.max_batch < 2):
-                continue
+            assert width is not None
             if time.perf_counter() - start > self.budget_s:
                 log.warning("compile budget of %.0f s spent: %s run eagerly", self.budget_s, shape)
                 continue
             b = 1 if shape.single else 2
             t0 = time.perf_counter()
-            args = self._inputs([0] * b, [width * self.block_size - 1] * b, list(range(b)), [[0] * width] * b,
-                                [width * self.block_size] * b, width)  # fmt: skip
+            first = scratch_block * self.block_size
+            args = self._inputs([0] * b, [width * self.block_size - 1] * b, list(range(first, first + b)),
+                                [[scratch_block] * width] * b, [width * self.block_size] * b, width)  # fmt: skip
             try:
                 with torch.inference_mode():
                     self._fns[shape](*args)
@@ -180,8 +226,19 @@ class CompiledDecode:
             self.ready.add(shape)
             log.info("compiled decode steps (%s) in %.1f s", shape, time.perf_counter() - t0)
         self.compile_seconds = time.perf_counter() - start
-        log.info("decode steps compiled in %.1f s (cache %s; --enforce-eager skips this)", self.compile_seconds,
-                 self.cache_dir)  # fmt: skip
+        self.cache_hits = inductor["fxgraph_cache_hit"] - hits0
+        log.info("decode steps compiled in %.1f s, %d of %d graphs from the cache %s (--enforce-eager skips this)",
+                 self.compile_seconds, self.cache_hits, len(self.ready), self.cache_dir)  # fmt: skip
+        if self.ready == set(shapes):
+            self._remember()
+
+    def _remember(self) -> None:
+        record = self._recorded()
+        record[self._key()] = round(self.compile_seconds, 1)
+        with contextlib.suppress(OSError):  # only the next start's expectation depends on it
+            tmp = self._record.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+            tmp.replace(self._record)
 
     # steps ---------------------------------------------------------------------------------------------------
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, float]] | None:

@@ -26,6 +26,7 @@ from glm5.parallel import SINGLE, TensorParallel
 from glm5.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from glm5_worker.config import EngineConfig
+from glm5_worker.engine.compiled import CompiledDecode
 from glm5_worker.engine.model_runner import ModelRunner, RankMemory, StepPlan
 from glm5_worker.engine.output_processor import OutputProcessor, RequestOutput
 from glm5_worker.engine.sampler import Sampler
@@ -83,7 +84,9 @@ class _StepTimes:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, compile_now: bool = True) -> None:
+        """`compile_now`: compile the decode steps before returning (False: the caller runs
+        compile_in_background's job; AsyncEngine does, serving eagerly meanwhile)."""
         self.config = config
         rc = self.resolved = resolve(config)
         self.model_dir = rc.model_dir
@@ -95,7 +98,8 @@ class Engine:
             self.runner = ModelRunner(rc, self.tp, self.replica.device if self.replica else rc.device_for(0))
             kv = self.runner.kv_budget
             self._init_kv(self.replica.replica.agreed_kv_bytes(kv) if self.replica is not None else kv())
-            self.runner.compile_decode()
+            if compile_now:
+                self.runner.compile_decode()
         except BaseException:
             self.close()
             raise
@@ -127,6 +131,7 @@ class Engine:
         self._times = _StepTimes(config.jitter_window, config.jitter_window_s)
         # L1 -> L2 copies rank 0 made after a step; the followers make them before the next one
         self._pending_demotions: list[tuple[int, int]] = []
+        self._scratch_block: int | None = None  # reserved for the decode-step compiler while it runs
 
     @property
     def tp(self) -> TensorParallel:
@@ -171,6 +176,35 @@ class Engine:
             p.num_fp_blocks, p.num_q_blocks, c.block_size, p.total_bytes / 2**20,
             " per rank" if self.replica is not None else "", p.capacity_tokens,
         )  # fmt: skip
+
+    def compile_in_background(self) -> Callable[[], CompiledDecode] | None:
+        """On the engine thread: the job that compiles the decode steps, to run on a thread of its own while this
+        engine steps eagerly, then to hand to use_compiled; None when the steps run eagerly. The compiler writes
+        its dummy tokens into a KV block reserved until then."""
+        compiled = self.runner.decode_compiler()
+        if compiled is None:
+            return None
+        self._scratch_block = block = self.blocks.reserve()
+        log.info("decode steps compile on a thread of their own; steps run eagerly until every graph is built")
+
+        def job() -> CompiledDecode:
+            compiled.warm_up(block)
+            return compiled
+
+        return job
+
+    def use_compiled(self, compiled: CompiledDecode | None) -> None:
+        """Between two steps: from the next one, decode steps run through `compiled`'s graphs (None: the compile
+        failed; they stay eager). Frees the compiler's scratch block."""
+        if self._scratch_block is not None:
+            self.blocks.release(self._scratch_block)
+            self._scratch_block = None
+        if compiled is None or not compiled.ready:
+            log.warning("no compiled decode steps: every step runs eagerly")
+            return
+        self.runner.compiled = compiled
+        log.info("decode steps now run compiled (%d of %d graphs; %d steps ran eagerly before)", len(compiled.ready),
+                 len(compiled.shapes()), self.num_steps)  # fmt: skip
 
     def close(self) -> None:
         """Stops the replica's other ranks (nothing to do on one device)."""

@@ -133,19 +133,25 @@ class ModelRunner:
         self.storage = PagedKVStorage(layout)
         return plan
 
-    def compile_decode(self) -> None:
-        """Compiles the decode steps (after init_kv: the graphs read and write this pool), unless told not to
-        or this runner cannot (the reason is logged)."""
+    def decode_compiler(self) -> CompiledDecode | None:
+        """This runner's compiled decode steps, not compiled yet (after init_kv: the graphs read and write this
+        pool); None when its steps run eagerly: told so, or it cannot (the reason is logged)."""
         c = self.rc.engine
         if c.enforce_eager:
-            return
+            return None
         reason = compiled_unavailable(self)
         if reason is not None:
             log.info("%s: decode steps run eagerly", reason)
-            return
+            return None
         cache = Path(c.compile_cache_dir) if c.compile_cache_dir else default_cache_dir()
-        self.compiled = CompiledDecode(self, c.compile_max_batch, cache, c.compile_budget_s)
-        self.compiled.warm_up()
+        return CompiledDecode(self, c.compile_max_batch, cache, c.compile_budget_s)
+
+    def compile_decode(self) -> None:
+        """Compiles the decode steps now, before the first step (Engine built directly: tests, benchmarks)."""
+        compiled = self.decode_compiler()
+        if compiled is not None:
+            compiled.warm_up()
+            self.compiled = compiled
 
     # the step -----------------------------------------------------------------------------------------------
     def batch(self, plan: StepPlan) -> ForwardBatch:

@@ -109,6 +109,18 @@ class BlockManager:
             self.hash_of[b] = None
             heapq.heappush(self._free[int(self.is_q(b))], b)
 
+    def reserve(self) -> int:
+        """An L1 block out of circulation until release(): scratch space no sequence reads or writes meanwhile
+        (the decode-step compiler's dummy tokens)."""
+        b = self._alloc(q_tier=False)
+        if b is None:
+            raise ValueError("no free L1 block to reserve")
+        return b
+
+    def release(self, block: int) -> None:
+        """Puts a block reserve() gave back into circulation."""
+        self._release(block)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -23,6 +23,7 @@ from glm5.security import (
     Secret,
     TlsConfig,
     is_loopback,
+    rejecting,
 )
 from glm5.serving import freeze_heap, new_server, start_health_server, start_serving
 from glm5.v1 import worker_pb2, worker_pb2_grpc
@@ -32,6 +33,7 @@ from grpc_health.v1._async import HealthServicer
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.async_engine import AsyncEngine
 from glm5_worker.engine.engine import Engine
+from glm5_worker.resolved import resolve
 from glm5_worker.server.push import clear_staging
 from glm5_worker.server.service import WorkerService
 
@@ -57,6 +59,28 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if key == "x-request-id":
                 request_id_var.set(str(value))
         return await continuation(handler_call_details)
+
+
+class LoadingGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Worker RPCs answer UNAVAILABLE until open(): the port is bound before the model loads (so a taken port fails
+    at once), and a caller retries, or a router keeps polling, until the worker serves. Health and reflection answer
+    all along."""
+
+    def __init__(self) -> None:
+        self.is_open = False
+
+    def open(self) -> None:
+        self.is_open = True
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if self.is_open or handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        return rejecting(handler, grpc.StatusCode.UNAVAILABLE, "the worker is loading its model; retry shortly")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +118,9 @@ class WorkerServer:
 async def start_worker(
     config: EngineConfig, host: str = LOOPBACK, port: int = 50051, security: ServerSecurity = ServerSecurity()
 ) -> WorkerServer:
+    """Checks the model and the flags, binds the port, then loads the model (health says NOT_SERVING and the
+    Worker RPCs UNAVAILABLE meanwhile) and serves: a busy port or a bad model path fails in a second or two, not
+    after the load. Decode steps compile after that in the background (AsyncEngine), the worker serving eagerly."""
     loop = asyncio.get_running_loop()
     lost = asyncio.Event()
     holder: list[HealthServicer] = []
@@ -101,33 +128,38 @@ async def start_worker(
     def on_fatal(reason: str) -> None:  # on the engine thread
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_not_serving(holder, lost)))
 
-    engine = await AsyncEngine.start(functools.partial(Engine, config), on_fatal)
+    model = resolve(config)  # the checkpoint's config and every flag, before anything binds or loads
+    engine = AsyncEngine(functools.partial(Engine, config, compile_now=False), on_fatal, begin=False)
+    gate = LoadingGate()
     # the internal token first: a call without it is refused before anything else looks at it
     token = [InternalTokenInterceptor(security.internal_token)] if security.internal_token is not None else []
-    server = new_server([*token, RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
+    server = new_server([*token, gate, RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
     clear_staging(security.weights_root)
     service = WorkerService(engine, security.weights_root)
-    await service.prime()
 
     def add(s: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, s)  # type: ignore[no-untyped-call]
 
-    try:
-        health, bound = await start_serving(server, SERVICE_NAME, add, host, port, security.tls)
-    except OSError:
-        engine.shutdown()
-        raise
+    health, bound = await start_serving(server, SERVICE_NAME, add, host, port, security.tls, loading=True)
     holder.append(health)
     health_server = None
-    if security.health_port is not None:
-        try:
+    try:
+        if security.health_port is not None:
             health_server = await start_health_server(health, host, security.health_port)
-        except OSError:
-            await server.stop(None)
-            engine.shutdown()
-            raise
-    if engine.fatal is not None:  # lost before the health service existed
-        await _not_serving(holder, lost)
+        log.info("listening on %s:%d; loading %s", host, bound, model.model_dir)
+        engine.begin()
+        await engine.started()
+        await service.prime()
+    except BaseException:
+        await server.stop(None)
+        if health_server is not None:
+            await health_server.stop(None)
+        engine.shutdown()
+        raise
+    gate.open()
+    if engine.fatal is None:
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("worker serving %s on %s:%d%s%s", engine.engine.served_model_name, host, bound,
              " over TLS" if security.tls.enabled else "",
              ", internal token required" if security.internal_token is not None else "")  # fmt: skip

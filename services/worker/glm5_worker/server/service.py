@@ -127,9 +127,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.weights_root = weights_root
         self._stats: list[EngineStats] = []  # the last stats computed
-        e = engine.engine
-        self.default_max_new_tokens = e.config.default_max_new_tokens
         self._weights_lock = asyncio.Lock()
+
+    @property
+    def default_max_new_tokens(self) -> int:
+        # the engine is built after the service exists (the port is bound first); no RPC reaches it before
+        return self.engine.engine.config.default_max_new_tokens
 
     async def prime(self) -> None:
         """Computes the first stats, so GetStats always has some to answer with while a step runs."""
