@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from glm5.errors import ConfigError
+from glm5.errors import BindError, ConfigError
 
 if TYPE_CHECKING:
     from glm5_router.config import RouterConfig
@@ -57,9 +57,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def check_free(host: str, port: int, what: str) -> None:
+    """Fails at once, before anything loads, when `host:port` is taken (the router binds it once its workers
+    serve, seconds later: a port taken in between fails then, with the same error)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]  # fmt: skip
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no owner
+            s.bind(address)
+    except OSError as exc:
+        raise BindError(f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}") from None
+
+
+# a worker that is not listening yet is retried every second at most (gRPC's default backoff grows to 120 s)
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
 def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "worker") -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(target, options=RECONNECT) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -111,9 +128,12 @@ class Supervisor:
         self.procs[i] = subprocess.Popen(self.commands[i], env=self.env if self.env is not None else os.environ.copy())
         self.started[i] = time.monotonic()
 
-    def start_all(self, timeout: float) -> None:
+    def start_all(self) -> None:
         for i in range(len(self.commands)):
             self.start(i)
+
+    def wait_all(self, timeout: float) -> None:
+        """Until every worker serves; a worker that exits meanwhile is an error (its log says why)."""
         for target, proc in zip(self.targets, self.procs, strict=True):
             assert proc is not None
             wait_serving(target, proc, timeout)
@@ -153,30 +173,40 @@ class Supervisor:
 
 
 def run(a: argparse.Namespace) -> None:
-    from glm5.model.presets import default_model_path
+    """Checks the ports, the model and the flags, then starts the workers (each binds its port, then loads) and,
+    once they serve, the router: a taken port or a missing model fails within a second, not after a load."""
     from glm5.security import Secret
     from glm5_router.config import RouterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.workers < 1:
         raise ConfigError("--workers must be >= 1")
-    model = Path(a.model) if a.model else default_model_path()  # built once, before the workers race for it
+    check_free(a.host, a.http_port, "HTTP, --http-port")
+    check_free(a.host, a.grpc_port, "gRPC, --grpc-port")
+    if a.model and not (Path(a.model) / "config.json").is_file():
+        raise ConfigError(f"--model {a.model}: no config.json there (a HuggingFace-format checkpoint directory)")
     targets = [f"127.0.0.1:{free_port()}" for _ in range(a.workers)]
     # The workers answer the router only (another local user's process reaches 127.0.0.1 too): a fresh internal
     # token per run, in the workers' environment (never on a command line, which `ps` shows) and the router's
     # memory; it is written nowhere.
     token = Secret(secrets.token_urlsafe(32))
+    config = RouterConfig(
+        workers=tuple(targets), host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
+        redis_url=a.redis_url, thinking_policy=a.thinking_policy, sm4_key_dir=a.sm4_key_dir,
+        no_worker_timeout_s=a.no_worker_timeout, internal_token=token,
+    )  # fmt: skip
+    from glm5.model.presets import default_model_path  # imports torch: after the checks above
+
+    model = Path(a.model) if a.model else default_model_path()  # built once, before the workers race for it
     commands = [[sys.executable, "-m", "glm5_cli", "worker", "--model", str(model), "--host", "127.0.0.1",
                  "--port", t.rpartition(":")[2], "--device", a.device, "--shutdown-grace", str(a.shutdown_grace),
                  "--internal-token-env", INTERNAL_ENV, *a.worker_arg] for t in targets]  # fmt: skip
     supervisor = Supervisor(commands, targets, {**os.environ, INTERNAL_ENV: token.value})
     try:
-        supervisor.start_all(a.startup_timeout)
-        config = RouterConfig(
-            workers=tuple(targets), host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
-            redis_url=a.redis_url, thinking_policy=a.thinking_policy, sm4_key_dir=a.sm4_key_dir,
-            no_worker_timeout_s=a.no_worker_timeout, internal_token=token,
-        )  # fmt: skip
+        supervisor.start_all()
+        # the router starts once the workers serve (eagerly, seconds after they start): until it listens nothing
+        # answers, so whoever waits for its port waits for a stack that serves
+        supervisor.wait_all(a.startup_timeout)
         asyncio.run(_serve(config, supervisor, a.shutdown_grace))
     finally:
         supervisor.stop(a.shutdown_grace + 3)
