@@ -2,7 +2,8 @@
 docs/benchmarks.md; target: async >= 1.5x faster).
 
     python -m benchmarks.rl_loop [--model DIR] [--workers 1] [--steps 40] [--rounds 3] [--modes sync async]
-                                 [--producer-cpu 1] [--no-pin]
+                                 [--producer-cpu 1] [--no-pin] [--enforce-eager] [--startup-timeout 900]
+    python -m benchmarks.rl_loop --smoke      # 2 steps of 2 groups, one round, eager workers: the whole path
 
 Both loops run the same trainer (transformers' model, the IS loss, a weight sync after every step; in this
 process) against the same `glm5 worker` processes behind a `glm5 tito-gateway` process, alternating sync and
@@ -15,6 +16,12 @@ keeps `--inflight` groups generating while the trainer trains and syncs, samples
 old are used (the importance-sampling loss corrects them). The time is the loop only: no evaluation, and the
 producer process is started and connected before the clock starts (as environment servers are, once per job).
 Medians over rounds; the ratio is sync / async.
+
+The workers are started as `glm5 rl` starts them: a fresh admin token and internal token in their environment
+(`--admin-token-env`, `--internal-token-env`; the gateway gets the internal one, the trainer both) and weight
+loads only from under this run's folder (`--weights-root`). Like `glm5 rl`'s, they compile their decode steps
+before they serve (minutes on a cold cache with one pinned thread; `--enforce-eager` skips it); the time each
+took is printed, and one not serving within `--startup-timeout` fails with the end of its log.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,75 +39,84 @@ from glm5.model.presets import default_model_path
 from glm5_trainer.loop import RLConfig, RLRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.helpers.procs import free_port, stop, wait_serving
+from benchmarks.launch import Started, Tokens, start
+from tests.helpers.procs import stop
+
+KEYS = ("wait_seconds", "step_seconds", "publish_seconds", "sync_seconds")
 
 
-def start(args: list[str], cpus: set[int] | None) -> tuple[subprocess.Popen[bytes], str]:
-    """`glm5 ARGS --port P` on these CPUs, one thread."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "glm5_cli", *args, "--host", "127.0.0.1", "--port", str(port)]
-    env = os.environ.copy()
-    if cpus is not None:
-        cmd = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *cmd]
-        env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
-    target = f"127.0.0.1:{port}"
-    wait_serving(target, proc=proc)
-    return proc, target
-
-
-async def bench(a: argparse.Namespace) -> None:
+async def bench(a: argparse.Namespace, root: Path) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     pin = a.pin and len(cpus) >= 2
     if pin:  # rollout device: the first CPU; training device: the second (this process runs the trainer)
         os.sched_setaffinity(0, {cpus[1]})
         torch.set_num_threads(1)
     rollout = {cpus[0]} if pin else None
-    worker = ["worker", "--model", str(a.model), "--max-model-len", "256", "--kv-cache-bytes", "64MiB"]
-    procs = [start(worker, rollout) for _ in range(a.workers)]
-    engines = tuple(t for _, t in procs)
-    procs.append(start(["tito-gateway", *(f for e in engines for f in ("--engine", e))], rollout))
-    gateway = procs[-1][1]
+    tokens = Tokens.fresh()
+    runs = root / "runs"  # every run's checkpoints: the only folder the workers load weights from
+    runs.mkdir()
+    worker = ["worker", "--model", str(a.model), "--max-model-len", "256", "--kv-cache-bytes", "64MiB",
+              *tokens.worker_flags(runs), *(["--enforce-eager"] if a.enforce_eager else [])]  # fmt: skip
+    procs: list[Started] = []
+    try:
+        # one at a time: two workers compiling at once on one pinned CPU would each take twice as long
+        for i in range(a.workers):
+            procs.append(start(worker, tokens, root / "logs" / f"worker-{i}.log", a.startup_timeout, rollout))
+            how = "eager" if a.enforce_eager else "decode steps compiled at start-up"
+            print(f"worker {i} serving after {procs[-1].seconds:.1f} s ({how})", flush=True)
+        engines = tuple(p.target for p in procs)
+        gateway = ["tito-gateway", *(f for e in engines for f in ("--engine", e)), *tokens.internal_flags()]
+        procs.append(start(gateway, tokens, root / "logs" / "tito-gateway.log", 60, rollout))
+        await rounds(a, procs[-1].target, engines, tokens, runs, cpus if pin else None)
+    finally:
+        for p in procs:
+            stop(p.proc)
+
+
+async def rounds(a: argparse.Namespace, gateway: str, engines: tuple[str, ...], tokens: Tokens, runs: Path,
+                 cpus: list[int] | None) -> None:  # fmt: skip
     times: dict[str, list[float]] = {"sync": [], "async": []}
     stale: list[int] = []
-    keys = ("wait_seconds", "step_seconds", "publish_seconds", "sync_seconds")
-    phases: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in times}
-    try:
-        for r in range(a.rounds):
-            for mode in a.modes:
-                with tempfile.TemporaryDirectory() as out:
-                    config = RLConfig(
-                        policy=a.model, gateway=gateway, out=Path(out), engines=engines, mode=mode,
-                        steps=a.steps, group_size=a.group_size, groups_per_step=a.groups_per_step,
-                        max_inflight_groups=a.inflight, learning_rate=1e-4, staleness_limit=a.staleness,
-                        eval_size=0, seed=r, progress=False,
-                        producer_cpus=(cpus[a.producer_cpu],) if pin else (),
-                    )  # fmt: skip
-                    result = await RLRun(config).run()
-                times[mode].append(result.train_seconds)
-                for key in keys:
-                    phases[mode][key].append(statistics.median(row[key] or 0.0 for row in result.history))
-                if mode == "async":
-                    stale.append(result.counters.get("dropped_stale", 0))
-                print(f"round {r} {mode:5s}: {result.trained_samples} samples in {result.train_seconds:6.1f}s "
-                      f"({result.trained_samples / result.train_seconds:5.1f} samples/s)", flush=True)  # fmt: skip
-    finally:
-        for p, _ in procs:
-            stop(p)
+    phases: dict[str, dict[str, list[float]]] = {m: {k: [] for k in KEYS} for m in times}
     samples = a.steps * a.groups_per_step * a.group_size
+    for r in range(a.rounds):
+        for mode in a.modes:
+            with tempfile.TemporaryDirectory(dir=runs) as out:
+                config = RLConfig(
+                    policy=a.model, gateway=gateway, out=Path(out), engines=engines, mode=mode,
+                    steps=a.steps, group_size=a.group_size, groups_per_step=a.groups_per_step,
+                    max_inflight_groups=a.inflight, learning_rate=1e-4, staleness_limit=a.staleness,
+                    eval_size=0, seed=r, progress=False, producer_cpus=(cpus[a.producer_cpu],) if cpus else (),
+                    admin_token=tokens.admin, internal_token=tokens.internal,
+                )  # fmt: skip
+                result = await RLRun(config).run()
+            if result.trained_samples != samples or result.counters.get("push_failed"):
+                raise RuntimeError(f"round {r} {mode}: {result.trained_samples} of {samples} samples trained, "
+                                   f"counters {result.counters}")  # fmt: skip
+            times[mode].append(result.train_seconds)
+            for key in KEYS:
+                phases[mode][key].append(statistics.median(row[key] or 0.0 for row in result.history))
+            if mode == "async":
+                stale.append(result.counters.get("dropped_stale", 0))
+            print(f"round {r} {mode:5s}: {result.trained_samples} samples in {result.train_seconds:6.1f}s "
+                  f"({result.trained_samples / result.train_seconds:5.1f} samples/s)", flush=True)  # fmt: skip
     wall = {m: statistics.median(t) for m, t in times.items() if t}
-    where = "pinned: workers on one CPU, trainer on another" if pin else "unpinned"
-    print(f"\n{where}; {a.workers} workers, {a.steps} steps x {a.groups_per_step} groups x {a.group_size} rollouts "
-          f"= {samples} trained samples, {a.rounds} rounds, medians\n")  # fmt: skip
+    where = "pinned: workers on one CPU, trainer on another" if cpus else "unpinned"
+    workers = "eager" if a.enforce_eager else "compiled decode steps"
+    print(f"\n{where}; {a.workers} workers ({workers}), {a.steps} steps x {a.groups_per_step} groups x "
+          f"{a.group_size} rollouts = {samples} trained samples, {a.rounds} rounds, medians\n")  # fmt: skip
     print("| loop | wall time (s) | trained samples/s | per step (ms): wait for rollouts / train / publish / push |")
     print("|---|---:|---:|---|")
     for mode, t in wall.items():
-        cells = " / ".join(f"{statistics.median(phases[mode][k]) * 1000:.0f}" for k in keys)
+        cells = " / ".join(f"{statistics.median(phases[mode][k]) * 1000:.0f}" for k in KEYS)
         print(f"| {'synchronous' if mode == 'sync' else 'asynchronous'} | {t:.1f} | {samples / t:.1f} | {cells} |")
     if len(wall) == 2:
-        rounds = ", ".join(f"{x / y:.2f}" for x, y in zip(times["sync"], times["async"], strict=True))
-        print(f"\nasync speed-up (sync / async): {wall['sync'] / wall['async']:.2f}x (per round {rounds}); "
+        ratios = ", ".join(f"{x / y:.2f}" for x, y in zip(times["sync"], times["async"], strict=True))
+        print(f"\nasync speed-up (sync / async): {wall['sync'] / wall['async']:.2f}x (per round {ratios}); "
               f"stale samples dropped per async run: {stale}")  # fmt: skip
+    if a.smoke:  # the table, not the speed
+        assert set(wall) == set(a.modes) and all(t > 0 for t in wall.values()), wall
+        print("smoke: ok (both loops trained every sample and pushed every version)")
 
 
 def main() -> None:
@@ -123,9 +138,17 @@ def main() -> None:
         help="pinned: run the async rollout producer with the rollout side (0) or the trainer (1)",
     )
     p.add_argument("--no-pin", dest="pin", action="store_false", help="let every process use every CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="workers skip compiling their decode steps")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds a worker may take to serve (compiling included), as glm5 rl's")  # fmt: skip
+    p.add_argument("--smoke", action="store_true",
+                   help="2 steps of 2 groups of 4, one round, eager workers: the whole path in seconds")  # fmt: skip
     a = p.parse_args()
+    if a.smoke:
+        a.steps, a.groups_per_step, a.group_size, a.inflight, a.rounds, a.enforce_eager = 2, 2, 4, 4, 1, True
     a.model = a.model or default_model_path()
-    asyncio.run(bench(a))
+    with tempfile.TemporaryDirectory(prefix="glm5-rl-bench-") as root:
+        asyncio.run(bench(a, Path(root)))
 
 
 if __name__ == "__main__":
