@@ -21,6 +21,10 @@ Usage: python benchmarks/decode_attention.py [--dtype bfloat16] [--index-dtype b
                                              [--contexts 4096,16384,65536,131072]
                                              [--device cpu|cuda] [--kernels auto|portable|triton]
                                              [--allocator retain|system]
+       python benchmarks/decode_attention.py --smoke     # 4096 tokens, 3 rounds, each dtype: the table in seconds
+
+`--smoke` runs on the CPU with the portable kernels whatever the machine has (`--device cuda --smoke` runs the
+CUDA path the same way where there is a GPU).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from glm5.allocator import retain_freed_memory
@@ -38,7 +43,7 @@ from glm5.model.attention import DSAControls, MLAttention, _Selector
 from glm5.model.batch import DecodeGroup, ForwardBatch
 from glm5.model.config import ModelConfig
 
-GLM5 = dict(
+GLM5: dict[str, Any] = dict(
     num_attention_heads=64,
     kv_lora_rank=512,
     qk_rope_head_dim=64,
@@ -54,7 +59,7 @@ CPU = torch.device("cpu")
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], rounds: int, sync: Callable[[], None] = lambda: None
+    fns: Mapping[str, Callable[[], object]], rounds: int, sync: Callable[[], None] = lambda: None
 ) -> dict[str, list[float]]:
     """Times each function once per round, in turn, so machine noise hits all of them alike."""
     for fn in fns.values():
@@ -104,15 +109,13 @@ def bench(
     )  # fmt: skip
     kernels = kernels_for(device, kernels_choice)
     dense_kernels = PortableKernels()
-    out = q_lat.new_empty(1, 64, 512)
 
-    def select(paged_min: int):
+    def select(paged_min: int) -> Any:
         controls = DSAControls(dense_warmup_tokens=0, paged_scoring_min_tokens=paged_min)
         return _Selector(attn, cache, kernels, controls, 2048, (iq, iw), batch).decode()
 
     def sparse(paged_min: int) -> None:
-        pick = select(paged_min)
-        attn._attend(pick, q_lat, q_rope, out, 0, cache, kernels, batch, [])
+        attn._attend(select(paged_min), q_lat, q_rope, cache, kernels, batch, [])
 
     pick = select(0)
     valid_all = torch.ones(1, context, dtype=torch.bool, device=device)
@@ -121,7 +124,7 @@ def bench(
         dense_kernels.dense_mla(q_lat, q_rope, cache.fp_kv[0, :context], valid_all, attn.scale)
 
     def shared() -> None:
-        attn._attend(pick, q_lat, q_rope, out, 0, cache, kernels, batch, [])
+        attn._attend(pick, q_lat, q_rope, cache, kernels, batch, [])
 
     with torch.inference_mode():
         fns = {"dense": dense, "gather": lambda: sparse(1 << 40), "sparse": lambda: sparse(0), "shared": shared}
@@ -144,7 +147,21 @@ def main() -> None:
         choices=["retain", "system"],
         help="retain: keep freed host memory in the process, as the worker does (glm5.allocator)",
     )
+    ap.add_argument("--smoke", action="store_true", help="4096 tokens, 3 rounds, bfloat16 then float32")
     a = ap.parse_args()
+    if a.smoke:
+        a.contexts, a.repeats = "4096", 3
+        for dtype in ("bfloat16", "float32"):
+            a.dtype = dtype
+            rows = run(a)
+            assert rows == 1, rows  # the table, not the speed
+        print("smoke: ok")
+        return
+    run(a)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Prints the table; the number of rows."""
     torch.set_num_threads(a.threads)
     if a.allocator == "retain":
         retain_freed_memory()
@@ -160,6 +177,7 @@ def main() -> None:
         f"{'context':>8} {'dense':>8} {'gather':>8} {'sparse':>8} {'shared':>8} {'dense/gather':>13} "
         f"{'dense/sparse':>13} {'dense/(F+S)/2':>14} {'MB dense':>9} {'MB sparse':>10}"
     )
+    rows = 0
     for t in (int(x) for x in a.contexts.split(",")):
         runs = bench(t, dtype, a.repeats, index_dtype, torch.device(a.device), a.kernels)
         r = {name: statistics.median(v) for name, v in runs.items()}
@@ -178,6 +196,8 @@ def main() -> None:
             f"{mb_sparse:>10.1f}",
             flush=True,
         )
+        rows += 1
+    return rows
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 and plain consistent hashing (results in docs/benchmarks.md).
 
     python -m benchmarks.tito_routing [--rollouts 1000] [--turns 4] [--seeds 5]
+    python -m benchmarks.tito_routing --smoke      # 200 rollouts x 3 turns, one seed: the table in a second
 
 Each rollout takes `turns` turns. "max/mean" is the most loaded rank's running rollouts over the mean (lower
 is better; the target is <= 1.25). "stickiness" is the share of turns after the first that go to the same
@@ -83,7 +84,7 @@ def simulate(
     return imbalance, same / total, lookup_us
 
 
-def main(rollouts: int, turns: int, seeds: int) -> None:
+def main(rollouts: int, turns: int, seeds: int, smoke: bool = False) -> None:
     routers: dict[str, Callable[[], object]] = {
         "modulo": Modulo,
         "consistent hashing": PlainRing,
@@ -92,6 +93,7 @@ def main(rollouts: int, turns: int, seeds: int) -> None:
     print(f"{rollouts} rollouts x {turns} turns, groups of 8, one rank leaves after turn 1 and one joins after "
           f"turn 2; medians over {seeds} seeds")  # fmt: skip
     print(f"{'ranks':>6}  {'router':<30}{'max/mean':>10}{'stickiness':>12}{'lookup us':>11}")
+    table = 0
     for ranks in (8, 16, 64):
         for name, make in routers.items():
             rows = [simulate(make, ranks, rollouts, turns, s) for s in range(seeds)]
@@ -99,6 +101,10 @@ def main(rollouts: int, turns: int, seeds: int) -> None:
             stick = statistics.median(r[1] for r in rows)
             us = statistics.median(r[2] for r in rows)
             print(f"{ranks:>6}  {name:<30}{imb:10.3f}{stick:11.1%}{us:11.2f}")
+            table += 1
+    if smoke:  # the table, not the figures
+        assert table == 9, table
+        print("smoke: ok")
 
 
 if __name__ == "__main__":
@@ -106,5 +112,8 @@ if __name__ == "__main__":
     parser.add_argument("--rollouts", type=int, default=1000)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="200 rollouts x 3 turns, one seed")
     a = parser.parse_args()
-    main(a.rollouts, a.turns, a.seeds)
+    if a.smoke:
+        a.rollouts, a.turns, a.seeds = 200, 3, 1
+    main(a.rollouts, a.turns, a.seeds, a.smoke)
