@@ -14,6 +14,7 @@ Usage:
   python benchmarks/scaling_plan.py --device h200 --tp 8 --batch 32
   python benchmarks/scaling_plan.py --config CKPT/config.json --device cpu --tp 2 --step-overhead-ms 3.1 \
       --collective-us 450 --kv-dtype float32 --weights float32     # predict a measured CPU run
+  python benchmarks/scaling_plan.py --smoke     # the three above (the third on the shipped demo model's config)
 
 Device numbers are public spec-sheet figures (see DEVICES); override any of them with --memory-gib, --hbm-gbps,
 --link-gbps, --collective-us. Upper bounds, not predictions of a particular kernel's speed.
@@ -25,8 +26,10 @@ import argparse
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "glm5-744b.json"
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "common" / "glm5" / "assets" / "glm5-tiny-addition" / "config.json"
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,10 @@ class Parts:
 
     @property
     def total(self) -> float:
-        return sum(vars(self).values())
+        return float(sum(vars(self).values()))
 
 
-def parts(c: dict) -> Parts:
+def parts(c: dict[str, Any]) -> Parts:
     h, L = c["hidden_size"], c["num_hidden_layers"]
     heads, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     qr, kvr = c["q_lora_rank"], c["kv_lora_rank"]
@@ -105,10 +108,12 @@ def formats(weights: str) -> dict[str, dict[str, float]]:
 
 def per_rank_weights(p: Parts, fmt: dict[str, float], n: int) -> float:
     split = ("attn_split", "dense_mlp", "shared_experts", "routed_experts", "vocab")
-    return sum(getattr(p, k) * fmt[k] / (n if k in split else 1) for k in vars(p))
+    return float(sum(getattr(p, k) * fmt[k] / (n if k in split else 1) for k in vars(p)))
 
 
-def decode_read_bytes(c: dict, p: Parts, fmt: dict[str, float], n: int, batch: int, context: int, kv_b: float) -> float:
+def decode_read_bytes(
+    c: dict[str, Any], p: Parts, fmt: dict[str, float], n: int, batch: int, context: int, kv_b: float
+) -> float:
     """Bytes one decode step reads on a rank: every weight it holds except routed experts no token of the batch
     picked (expected distinct experts among the rank's E/N), the top-k rows each token attends to, and the
     indexer keys of each sequence's whole context (the indexer scores all of them)."""
@@ -122,10 +127,12 @@ def decode_read_bytes(c: dict, p: Parts, fmt: dict[str, float], n: int, batch: i
     L, topk = c["num_hidden_layers"], min(c["index_topk"], context)
     kv_rows = batch * L * topk * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * kv_b
     index_keys = batch * L * context * c["index_head_dim"] * kv_b
-    return others + experts + kv_rows + index_keys
+    return float(others + experts + kv_rows + index_keys)
 
 
-def plan(c: dict, dev: Device, n: int, batch: int, context: int, weights: str, kv: str, overhead_ms: float) -> None:
+def plan(c: dict[str, Any], dev: Device, n: int, batch: int, context: int, weights: str, kv: str,
+         overhead_ms: float) -> int:  # fmt: skip
+    """Prints the plan; the number of formats in its table."""
     p = parts(c)
     kv_b = BYTES[kv]
     L, h = c["num_hidden_layers"], c["hidden_size"]
@@ -146,6 +153,7 @@ def plan(c: dict, dev: Device, n: int, batch: int, context: int, weights: str, k
           f"link time >= {t_link * 1e3:.2f} ms")  # fmt: skip
     print(f"  {'format':>13} {'weights/rank':>13} {'free/rank':>10} {'seqs@ctx':>9} {'read/step':>10} "
           f"{'HBM tok/s':>10} {'link tok/s':>11} {'both tok/s':>11}")  # fmt: skip
+    rows = 0
     for name, fmt in formats(weights).items():
         w = per_rank_weights(p, fmt, n)
         free = dev.memory_gib * 2**30 * 0.9 - w
@@ -159,6 +167,18 @@ def plan(c: dict, dev: Device, n: int, batch: int, context: int, weights: str, k
             f"  {name:>13} {w / 2**30:>10.1f} GiB {free / 2**30:>6.1f} GiB {seqs:>9.1f} {read / 2**30:>6.2f} GiB "
             f"{batch / t_mem:>10,.0f} {link:>11,.0f} {batch / t:>11,.0f}{fits}"
         )
+        rows += 1
+    return rows
+
+
+def smoke() -> None:
+    """The usage lines' three plans; each must print a row per format."""
+    glm5 = json.loads(CONFIG.read_text())
+    assert plan(glm5, DEVICES["910b-64g"], 8, 1, 131072, "bfloat16", "bfloat16", 0.0) == 3
+    assert plan(glm5, DEVICES["h200"], 8, 32, 131072, "bfloat16", "bfloat16", 0.0) == 3
+    cpu = replace(DEVICES["cpu"], collective_us=450)
+    assert plan(json.loads(DEMO_CONFIG.read_text()), cpu, 2, 1, 4096, "float32", "float32", 3.1) == 3
+    print("smoke: ok")
 
 
 def main() -> None:
@@ -175,7 +195,11 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float)
     ap.add_argument("--collective-us", type=float)
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed per-step time (host overhead)")
+    ap.add_argument("--smoke", action="store_true", help="the usage lines' three plans, each table checked")
     a = ap.parse_args()
+    if a.smoke:
+        smoke()
+        return
     c = json.loads(a.config.read_text())
     dev = DEVICES[a.device]
     for field in ("memory_gib", "hbm_gbps", "link_gbps", "collective_us"):
