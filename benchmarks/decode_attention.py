@@ -21,10 +21,11 @@ Usage: python benchmarks/decode_attention.py [--dtype bfloat16] [--index-dtype b
                                              [--contexts 4096,16384,65536,131072]
                                              [--device cpu|cuda] [--kernels auto|portable|triton]
                                              [--allocator retain|system]
-       python benchmarks/decode_attention.py --smoke     # 4096 tokens, 3 rounds, each dtype: the table in seconds
+       python benchmarks/decode_attention.py --smoke     # 4096 tokens, 3 rounds, 1 thread, each dtype
 
-`--smoke` runs on the CPU with the portable kernels whatever the machine has (`--device cuda --smoke` runs the
-CUDA path the same way where there is a GPU).
+`--smoke` runs on the CPU (the default `--device`; `--device cuda --kernels triton --smoke` checks the GPU path
+where there is one) with one thread: on a shared 2-core machine two OpenMP threads whose cores are busy wait for
+each other at every barrier (40x slower here).
 """
 
 from __future__ import annotations
@@ -147,10 +148,10 @@ def main() -> None:
         choices=["retain", "system"],
         help="retain: keep freed host memory in the process, as the worker does (glm5.allocator)",
     )
-    ap.add_argument("--smoke", action="store_true", help="4096 tokens, 3 rounds, bfloat16 then float32")
+    ap.add_argument("--smoke", action="store_true", help="4096 tokens, 3 rounds, 1 thread, bfloat16 and float32")
     a = ap.parse_args()
     if a.smoke:
-        a.contexts, a.repeats = "4096", 3
+        a.contexts, a.repeats, a.threads = "4096", 3, 1
         for dtype in ("bfloat16", "float32"):
             a.dtype = dtype
             rows = run(a)
