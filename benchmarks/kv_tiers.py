@@ -18,6 +18,10 @@ cache held in bfloat16 or float16 (`--kv-cache-dtype`, no INT8 tier: the cache t
 and between running the model in bfloat16 and in float32 (the noise floor of bfloat16 itself).
 
 Usage: python benchmarks/kv_tiers.py [--prompt-len 4096] [--model DIR] [--prompt random|addition|problems]
+       python benchmarks/kv_tiers.py --smoke     # both drift tables: a 2304-token random prompt, 4 problems
+
+The engines here only prefill (every logit comes from a prompt), so they run eagerly: compiling decode steps
+that never run would cost each engine its start-up compile.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from glm5.model.config import ModelConfig
@@ -59,7 +64,7 @@ class LogitRecorder:
         model = engine.model
         original = model.forward
 
-        def forward(*args, **kwargs):
+        def forward(*args: Any, **kwargs: Any) -> Any:
             out = original(*args, **kwargs)
             self.rows.append(out.detach().float().clone())
             return out
@@ -92,6 +97,7 @@ def prompt_logits(model: Path, prompt: list[int], l2: bool, l3: bool, dtype: str
             kv_int8_tier=l2,
             max_num_batched_tokens=256,
             enable_prefix_caching=False,
+            enforce_eager=True,
         )
     )
     rec = LogitRecorder(engine)
@@ -118,6 +124,7 @@ def problem_logits(model: Path, seqs: list[list[int]], l2: bool, dtype: str, kv_
             block_size=8,
             max_num_batched_tokens=8,
             enable_prefix_caching=False,
+            enforce_eager=True,
         )
     )
     rec, out = LogitRecorder(engine), []
@@ -130,7 +137,8 @@ def problem_logits(model: Path, seqs: list[list[int]], l2: bool, dtype: str, kv_
     return torch.cat(out)
 
 
-def problems_drift(model: Path, count: int) -> None:
+def problems_drift(model: Path, count: int) -> int:
+    """Prints the table; its number of rows."""
     from glm5.tokenizer.tokenizer import Tokenizer
     from glm5_trainer.sft import encode, split_pairs
 
@@ -161,6 +169,7 @@ def problems_drift(model: Path, count: int) -> None:
         changed = (got[answer].argmax(-1) != base[answer].argmax(-1)).float().mean()
         print(f"{dtype:>9} {label:>26} {q[0]:>9.2e} {q[1]:>9.2e} {q[2]:>9.2e} {d.max():>9.2e} {d.mean():>9.2e} "
               f"{changed:>14.2%}")  # fmt: skip
+    return len(rows)
 
 
 def addition_chat(model: Path, length: int) -> list[int]:
@@ -193,7 +202,11 @@ def main() -> None:
                     help="random token ids; a long multi-turn chat of addition problems (longer than anything the "
                     "demo model was trained on); or held-out problems (in distribution for the shipped demo "
                     "model, the default --model then)")  # fmt: skip
+    ap.add_argument("--smoke", action="store_true",
+                    help="a 2304-token random prompt, then 4 held-out problems (demo model); 1 thread")  # fmt: skip
     a = ap.parse_args()
+    if a.smoke:
+        a.prompt_len, a.problems, a.threads, a.prompt = 2304, 4, 1, "random"  # L3 from 2048 + a block
     torch.set_num_threads(a.threads)
     tiny = ModelConfig(vocab_size=1024, **PRESETS["tiny"])
     print("KV bytes per token (latent + rope key + indexer key, all layers), relative to the cache in bfloat16")
@@ -206,6 +219,15 @@ def main() -> None:
     if a.prompt == "problems":
         problems_drift(Path(a.model) if a.model else default_model_path(), a.problems)
         return
+    rows = drift(a)
+    if a.smoke:  # the tables, not the figures
+        assert rows == 3, rows
+        assert problems_drift(default_model_path(), a.problems) == 5
+        print("smoke: ok")
+
+
+def drift(a: argparse.Namespace) -> int:
+    """The random or addition prompt's drift table; its number of rows."""
     model = Path(a.model) if a.model else init_model(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
     if a.prompt == "addition":
         prompt = addition_chat(model, a.prompt_len)
@@ -227,6 +249,7 @@ def main() -> None:
         d = (got - ref).abs()
         changed = (got.argmax(-1) != ref.argmax(-1)).float().mean()
         print(f"{label:>10} {d.max():>12.2e} {d.mean():>13.2e} {changed:>14.2%}")
+    return len(rows)
 
 
 if __name__ == "__main__":
