@@ -13,7 +13,11 @@ It first times the all-reduce alone (2 processes, one thread each, nothing else 
 benchmarks/scaling_plan.py takes as --collective-us to predict the N = 2 run.
 
 Usage: python benchmarks/tensor_parallel.py [--model DIR] [--batches 1,32] [--prompt-len 256] [--new 64]
-                                            [--sizes 1,2] [--repeats 3]
+                                            [--sizes 1,2] [--repeats 3] [--enforce-eager]
+       python benchmarks/tensor_parallel.py --smoke     # batch 1, N = 1 and 2, 32-token prompts, 4 new, eager
+
+N = 1 compiles its decode steps at start-up as `glm5 worker` does (a replica over several ranks runs eagerly);
+--enforce-eager compares the two eagerly.
 """
 
 from __future__ import annotations
@@ -44,16 +48,16 @@ def _formula(batch: int, layers: int, hidden: int, vocab: int, size: int, b: int
     return layers * 2 * batch * hidden * b + batch * hidden * b + batch * vocab // size * 4
 
 
-def _allreduce_us(rank: int, world: int, numel: int, by_gather: bool, out: mp.Queue[float]) -> None:
+def _allreduce_us(rank: int, world: int, numel: int, by_gather: bool, out: mp.Queue[float], rounds: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['GLM5_BENCH_PORT']}", rank=rank,
                             world_size=world)  # fmt: skip
     tp = TensorParallel(rank, world, reduce_by_gather=by_gather)
     x = torch.ones(numel)
-    for _ in range(100):
+    for _ in range(rounds // 10):
         tp.all_reduce(x)
     times = []
-    for _ in range(1000):
+    for _ in range(rounds):
         start = time.perf_counter()
         tp.all_reduce(x)
         times.append(time.perf_counter() - start)
@@ -62,14 +66,14 @@ def _allreduce_us(rank: int, world: int, numel: int, by_gather: bool, out: mp.Qu
     dist.destroy_process_group()
 
 
-def allreduce_latency(numel: int, by_gather: bool, world: int = 2) -> float:
+def allreduce_latency(numel: int, by_gather: bool, world: int = 2, rounds: int = 1000) -> float:
     """Median microseconds of one all-reduce of `numel` float32 between `world` local processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["GLM5_BENCH_PORT"] = str(s.getsockname()[1])
     ctx = mp.get_context("spawn")
     out: mp.Queue[float] = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_us, args=(r, world, numel, by_gather, out)) for r in range(world)]
+    procs = [ctx.Process(target=_allreduce_us, args=(r, world, numel, by_gather, out, rounds)) for r in range(world)]
     for p in procs:
         p.start()
     result = out.get(timeout=300)
@@ -83,11 +87,11 @@ def decode_only(engine: Engine) -> bool:
     return not s.waiting and bool(s.running) and all(seq.num_uncomputed == 1 for seq in s.running)
 
 
-def run(model: Path, size: int, prompts: list[list[int]], new: int) -> dict[str, float]:
+def run(model: Path, size: int, prompts: list[list[int]], new: int, eager: bool = False) -> dict[str, float]:
     engine = Engine(
         EngineConfig(
             model=str(model), max_model_len=2048, kv_cache_bytes=256 << 20, max_num_seqs=64, kv_int8_tier=False,
-            tensor_parallel_size=size, collective_timeout_s=60,
+            tensor_parallel_size=size, collective_timeout_s=60, enforce_eager=eager,
         )
     )  # fmt: skip
     try:
@@ -142,7 +146,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true", help="N = 1 without compiled decode steps")
+    ap.add_argument("--smoke", action="store_true", help="batch 1, N = 1 and 2, 32-token prompts, 4 new, eager")
     a = ap.parse_args()
+    if a.smoke:
+        a.batches, a.sizes, a.prompt_len, a.new, a.repeats, a.enforce_eager = "1", "1,2", 32, 4, 1, True
     os.environ["OMP_NUM_THREADS"] = "1"  # followers: one thread each
     torch.set_num_threads(1)  # rank 0 (and N = 1): one thread
     retain_freed_memory()
@@ -151,19 +159,24 @@ def main() -> None:
     hidden = json.loads((model / "config.json").read_text())["hidden_size"]
     print("all-reduce alone, 2 processes, 1 thread each (median us):")
     for b in (int(x) for x in a.batches.split(",")):
-        gather, ring = allreduce_latency(b * hidden, True), allreduce_latency(b * hidden, False)
+        rounds = 100 if a.smoke else 1000
+        gather, ring = (
+            allreduce_latency(b * hidden, True, rounds=rounds),
+            allreduce_latency(b * hidden, False, rounds=rounds),
+        )
         print(f"  {b} x {hidden} float32: all-gather + sum {gather:,.0f} us, gloo all_reduce {ring:,.0f} us")
     print(f"decode, {model.name}, prompts {a.prompt_len} tokens, {a.new} new, greedy, float32, 1 thread per rank, "
           f"gloo; medians of {a.repeats} runs alternating the sizes")  # fmt: skip
     print(f"{'batch':>5} {'N':>2} {'tok/s':>8} {'vs N=1':>7} {'step ms':>8} {'collectives ms':>15} "
           f"{'send step ms':>13} {'compute ms':>11} {'bytes/step':>11} {'formula':>8}")  # fmt: skip
     g = torch.Generator().manual_seed(0)
+    table = 0
     for b in (int(x) for x in a.batches.split(",")):
         prompts = torch.randint(20, 1000, (b, a.prompt_len), generator=g).tolist()
         results: dict[int, list[dict[str, float]]] = {n: [] for n in sizes}
         for _ in range(a.repeats):
             for n in sizes:
-                results[n].append(run(model, n, prompts, a.new))
+                results[n].append(run(model, n, prompts, a.new, a.enforce_eager))
         base = statistics.median(r["tok_s"] for r in results[sizes[0]])
         for n in sizes:
             med = {k: statistics.median(r[k] for r in results[n]) for k in results[n][0]}
@@ -174,6 +187,10 @@ def main() -> None:
                 f"{med['bytes_step']:>11,.0f} {med['formula_step']:>8,.0f}",
                 flush=True,
             )
+            table += 1
+    if a.smoke:  # the table, not the speed: a row per batch and size, collectives counted at N = 2
+        assert table == len(sizes) and all(r["bytes_step"] > 0 for r in results[2]), results
+        print("smoke: ok")
 
 
 if __name__ == "__main__":
