@@ -5,6 +5,7 @@
     python -m benchmarks.router sm4        [--mib 64]          SM4-GCM envelope path vs the raw cipher
     python -m benchmarks.router batching   [--requests 400]    token-budget batching vs a fixed 100 ms window
     python -m benchmarks.router stream     [--tokens 2000] [--step-ms 2]   one user's long stream: router CPU per token
+    python -m benchmarks.router --smoke    every one of them, small (seconds each), each table checked
 
 Latency and throughput isolate the router: the worker is tests/helpers/scripted_worker.py (the real Worker
 gRPC API streaming fixed text, 16 one-token chunks per request: all at once by default, or one per request every
@@ -27,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def _caller(target: str, kind: str, stream_interval: int = 0) -> tuple[grpc.aio.
     """A channel and a one-request call against the worker ("direct") or a Router service; a call returns the
     number of tokens streamed and when the first arrived."""
     ch = grpc.aio.insecure_channel(target)
-    wstub, rstub = worker_pb2_grpc.WorkerStub(ch), router_pb2_grpc.RouterStub(ch)
+    wstub, rstub = worker_pb2_grpc.WorkerStub(ch), router_pb2_grpc.RouterStub(ch)  # type: ignore[no-untyped-call]
     ids = list(range(10, 26))
     MESSAGES.setdefault(kind, 0)
 
@@ -103,7 +104,7 @@ class Stack:
     hop runs in."""
 
     def __init__(self, *router_flags: str, bare: bool = True, step_ms: float = 0.0) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         worker_proc, worker = start_scripted_worker(None, None, "--step-ms", str(step_ms))
         self.procs.append(worker_proc)
         self.targets = {"direct": worker}
@@ -127,7 +128,7 @@ class Stack:
 
 
 def with_stack(
-    fn: Callable[[Stack], Awaitable[None]], *router_flags: str, bare: bool = True, step_ms: float = 0.0
+    fn: Callable[[Stack], Coroutine[Any, Any, None]], *router_flags: str, bare: bool = True, step_ms: float = 0.0
 ) -> None:
     stack = Stack(*router_flags, bare=bare, step_ms=step_ms)
     try:
@@ -136,7 +137,10 @@ def with_stack(
         stack.close()
 
 
-def latency(requests: int, repeats: int) -> None:
+def latency(requests: int, repeats: int) -> int:
+    """Prints the table; its number of rows."""
+    printed = 0
+
     async def go(stack: Stack) -> None:
         calls = {kind: _caller(target, kind) for kind, target in stack.targets.items()}
         for _ in range(50):  # warm up channels and caches
@@ -167,11 +171,17 @@ def latency(requests: int, repeats: int) -> None:
             for hop in hops:
                 line += "".join(f"{statistics.median(x[j] for x in by[hop]):18.3f}" for j in (0, 1))
             print(line)
+            nonlocal printed
+            printed += 1
 
     with_stack(go)
+    return printed
 
 
-def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float, stream_interval: int) -> None:
+def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float, stream_interval: int) -> int:
+    """Prints the table; its number of rows."""
+    printed = 0
+
     async def run(kind: str, call: Call, pids: list[int]) -> tuple[float, list[float], float]:
         """requests/s, CPU milliseconds per request of each pid, messages per request at the client."""
         done = 0
@@ -211,22 +221,29 @@ def throughput(seconds: float, concurrency: int, rounds: int, step_ms: float, st
             hop = f"{statistics.median(c[1] for _, c, _ in rows):16.2f}" if kind != "direct" else f"{'':>16}"
             msgs = statistics.median(m for _, _, m in rows)
             print(f"{kind:<12}{rate:8.0f}{rate / direct:9.2f}x{worker_ms:19.2f}{hop}{msgs:10.1f}")
+            nonlocal printed
+            printed += rate > 0
 
     with_stack(go, step_ms=step_ms)
+    return printed
 
 
-def stream(tokens: int, step_ms: float, rounds: int) -> None:
+def stream(tokens: int, step_ms: float, rounds: int) -> int:
     """One user: a stream of `tokens` tokens, one every `step_ms` (a decode step's clock), through the router's
     gRPC API and through its HTTP API (SSE, what an OpenAI client reads), alternating. What one token costs the
-    router in CPU is what it takes from the engine on a host with few cores (docs/benchmarks.md n)."""
+    router in CPU is what it takes from the engine on a host with few cores (docs/benchmarks.md n). Returns the
+    table's number of rows."""
     import http.client
     import json
+
+    printed = 0
 
     def grpc_stream(target: str) -> tuple[int, list[float]]:
         request = worker_pb2.GenerateRequest(prompt_token_ids=list(range(10, 26)),
                                              sampling=sampling(max_new_tokens=tokens))  # fmt: skip
         with grpc.insecure_channel(target) as ch:
-            call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.RouterGenerateRequest(request=request))
+            stub = router_pb2_grpc.RouterStub(ch)  # type: ignore[no-untyped-call]
+            call = stub.Generate(router_pb2.RouterGenerateRequest(request=request))
             arrivals = [time.perf_counter() for r in call if r.response.token_ids]
         return len(arrivals), arrivals
 
@@ -242,8 +259,10 @@ def stream(tokens: int, step_ms: float, rounds: int) -> None:
         return len(arrivals), arrivals
 
     async def go(stack: Stack) -> None:
-        paths = {"router gRPC": lambda: grpc_stream(stack.targets["router"]),
-                 "router HTTP SSE": lambda: sse_stream(stack.http_base)}  # fmt: skip
+        paths: dict[str, Callable[[], tuple[int, list[float]]]] = {
+            "router gRPC": lambda: grpc_stream(stack.targets["router"]),
+            "router HTTP SSE": lambda: sse_stream(stack.http_base),
+        }
         for fn in paths.values():
             fn()  # warm up
         got: dict[str, list[tuple[float, float, float]]] = {k: [] for k in paths}
@@ -261,11 +280,14 @@ def stream(tokens: int, step_ms: float, rounds: int) -> None:
         for kind, rows in got.items():
             r, w, g = (statistics.median(x[i] for x in rows) for i in range(3))
             print(f"{kind:<18}{r:21.0f}{w:21.0f}{g:12.2f}")
+            nonlocal printed
+            printed += 1
 
     with_stack(go, bare=False, step_ms=step_ms)
+    return printed
 
 
-def sm4(mib: int, chunk_kib: int) -> None:
+def sm4(mib: int, chunk_kib: int) -> int:
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     from glm5.crypto.envelopes import open_stream_message, seal_message
     from glm5.crypto.sm4 import KeyRing, StreamOpener
@@ -275,7 +297,7 @@ def sm4(mib: int, chunk_kib: int) -> None:
     payload = os.urandom(chunk_kib << 10)
     n = (mib << 20) // len(payload)
     msg = router_pb2.RouterGenerateResponse(response=worker_pb2.GenerateResponse(text=payload.hex()[: len(payload)]))
-    size = msg.ByteSize()
+    size: int = msg.ByteSize()
 
     def raw() -> float:
         t = time.perf_counter()
@@ -310,15 +332,16 @@ def sm4(mib: int, chunk_kib: int) -> None:
     print(f"  raw SM4-GCM (cryptography):          {r:7.1f} MiB/s")
     print(f"  envelope seal (serialise + seal):     {e:7.1f} MiB/s  ({e / r:.1%} of raw)")
     del envelope
+    return 2
 
 
-def batching(requests: int, rate: float) -> None:
+def batching(requests: int, rate: float) -> int:
     """Open-loop arrivals (Poisson, `rate`/s) against the router: token-budget batching with a short max wait
     (the default) vs a fixed 100 ms window (--max-wait-ms 100 and a budget nobody reaches)."""
 
     async def go(router: str) -> tuple[float, float]:
         ch = grpc.aio.insecure_channel(router)
-        stub = router_pb2_grpc.RouterStub(ch)
+        stub = router_pb2_grpc.RouterStub(ch)  # type: ignore[no-untyped-call]
         import random
 
         rng = random.Random(0)
@@ -354,11 +377,23 @@ def batching(requests: int, rate: float) -> None:
     print(f"{'policy':<46}{'mean ms':>10}{'p99 ms':>10}")
     for label, (mean, p99) in results.items():
         print(f"{label:<46}{mean:10.2f}{p99:10.2f}")
+    return len(results)
+
+
+def smoke() -> None:
+    """Every benchmark above, small; each must print its whole table (not a speed)."""
+    assert latency(20, 1) == 2
+    assert throughput(1.0, 8, 1, 0.0, 0) == 3
+    assert stream(100, 1.0, 1) == 2
+    assert sm4(1, 16) == 2
+    assert batching(20, 50) == 2
+    print("smoke: ok")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="what", required=True)
+    parser.add_argument("--smoke", action="store_true", help="every benchmark, small, each table checked")
+    sub = parser.add_subparsers(dest="what")
     p = sub.add_parser("latency")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--repeats", type=int, default=3)
@@ -379,7 +414,11 @@ if __name__ == "__main__":
     p.add_argument("--step-ms", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=5)
     a = parser.parse_args()
-    if a.what == "latency":
+    if a.smoke:
+        smoke()
+    elif a.what is None:
+        parser.error("a benchmark (latency, throughput, sm4, batching, stream) or --smoke")
+    elif a.what == "latency":
         latency(a.requests, a.repeats)
     elif a.what == "throughput":
         throughput(a.seconds, a.concurrency, a.rounds, a.step_ms, a.stream_interval)
