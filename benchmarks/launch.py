@@ -62,14 +62,17 @@ class Started:
 
 
 def start(args: Sequence[str], tokens: Tokens, log: Path, timeout_s: float, cpus: set[int] | None = None,
-          what: str = "") -> Started:  # fmt: skip
-    """`glm5 ARGS --host 127.0.0.1 --port P` (on `cpus`, one OpenMP thread, when given), once it serves."""
+          threads: int | None = None, what: str = "") -> Started:  # fmt: skip
+    """`glm5 ARGS --host 127.0.0.1 --port P` (on `cpus`, one OpenMP thread, when given; `threads` OpenMP threads
+    when given), once it serves."""
     port = free_port()
     cmd = [sys.executable, "-m", "glm5_cli", *args, "--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, **tokens.env(), "PYTHONUNBUFFERED": "1"}
     if cpus is not None:
         cmd = ["taskset", "-c", ",".join(map(str, sorted(cpus))), *cmd]
         env["OMP_NUM_THREADS"] = "1"
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
