@@ -6,7 +6,8 @@ port accepts: index_head_dim 64, kv_lora_rank 512, RoPE 64), float32, greedy, EO
 
 Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 3] [--threads 2]
                                            [--serve] [--profile] [--llama-bench PATH --gguf FILE]
-                                           [--users 8 [--llama-server PATH --gguf FILE]]
+                                           [--users 8 [--llama-server PATH --gguf FILE]] [--enforce-eager]
+       python benchmarks/decode_latency.py --smoke     # every part but llama.cpp's, small and eager
 
 - offline: per-step wall time of `Engine.step()` for the decode steps (the prefill step is timed apart: its
   tokens/s, no prefix cache), with the decode steps compiled (as `glm5 worker` runs by default) and eager
@@ -22,7 +23,15 @@ Usage: python benchmarks/decode_latency.py [--context 1024] [--new 128] [--runs 
 - --users N: N users at once through `glm5 serve` (streamed /v1/completions, a different CONTEXT-token prompt
   each, fresh prompts every run so no prefix cache helps): output tokens/s over the run, time to first token,
   time between tokens; with --llama-server PATH (and --gguf) the same against llama.cpp's `llama-server -np N`
-  on the same weights, runs interleaved.
+  on the same weights, runs interleaved;
+- --enforce-eager: our engine eager only (no compiled engine, no compile at start-up; `glm5 serve`'s worker too);
+- --smoke: offline, --profile, --serve and --users 2 (on the same `glm5 serve`) on a 128-token context, 16 new
+  tokens, one run, one thread, eagerly, each table checked; llama.cpp only when its paths are given (it says so
+  when it is not run).
+
+`glm5 serve`'s worker answers only its router (a per-run internal token in its environment): the direct gRPC
+hop reads the token from the worker's /proc/PID/environ (the same user's process), as
+tests/integration/test_rl_cli.py does.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +153,8 @@ def instrument(engine: Engine, model_parts: bool = True) -> Parts:
         return parts
     model = engine.runner.model
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+        attn: Any = layer.self_attn
+        mlp: Any = layer.mlp
         parts.wrap(attn, "forward", "model: attention (all)")
         if attn.indexer is not None:
             parts.wrap(attn.indexer, "project", "model: indexer projections")
@@ -207,20 +218,38 @@ def running(cmd: list[str], health: str, healthy: Callable[[Any], bool], what: s
 
 
 @contextmanager
-def serve(model: Path, threads: int) -> Iterator[tuple[str, str, str, dict[str, int]]]:
-    """(router HTTP, router gRPC, the worker's gRPC) addresses of a `glm5 serve` with one worker, and the pids of
-    its processes ("router": `glm5 serve` itself, which runs the router; "worker")."""
+def serve(model: Path, threads: int, eager: bool = False) -> Iterator[tuple[str, str, Worker, dict[str, int]]]:
+    """(router HTTP, router gRPC) addresses of a `glm5 serve` with one worker, the worker, and the pids of its
+    processes ("router": `glm5 serve` itself, which runs the router; "worker")."""
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     cmd = [sys.executable, "-m", "glm5_cli", "serve", "--model", str(model), "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-bytes=256MiB",
-           "--worker-arg=--no-kv-int8-tier"]  # fmt: skip
+           "--worker-arg=--no-kv-int8-tier", *(["--worker-arg=--enforce-eager"] if eager else [])]  # fmt: skip
     base = f"127.0.0.1:{http_port}"
-    with running(cmd, f"http://{base}/health", router_ok, "glm5 serve", 300, env) as pid:
+    with running(cmd, f"http://{base}/health", router_ok, "glm5 serve", 900, env) as pid:
         with urllib.request.urlopen(f"http://{base}/health", timeout=5) as r:
-            (worker,) = [w["address"] for w in json.load(r)["workers"]]
+            (address,) = [w["address"] for w in json.load(r)["workers"]]
         (worker_pid,) = children(pid)
+        worker = Worker(address, internal_token(worker_pid))
         yield base, f"127.0.0.1:{grpc_port}", worker, {"router": pid, "worker": worker_pid}
+
+
+@dataclass(frozen=True)
+class Worker:
+    address: str
+    token: str  # the internal token every call to it needs
+
+
+def internal_token(pid: int) -> str:
+    """The internal token `glm5 serve` handed its worker (its environment, Linux /proc; the same user's process)."""
+    from glm5_cli.serve import INTERNAL_ENV
+
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        name, _, value = entry.decode(errors="replace").partition("=")
+        if name == INTERNAL_ENV:
+            return value
+    raise RuntimeError(f"glm5 serve's worker (pid {pid}) has no {INTERNAL_ENV} in its environment")
 
 
 def router_ok(response: Any) -> bool:
@@ -283,20 +312,25 @@ def stream_gaps(base: str, ids: list[int], new: int) -> tuple[float, list[float]
     return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
 
 
-def grpc_gaps(target: str, ids: list[int], new: int, via_router: bool) -> tuple[float, list[float]]:
-    """The same request as a gRPC stream straight from a worker (or the router's gRPC API): one hop fewer each."""
+def grpc_gaps(target: str | Worker, ids: list[int], new: int) -> tuple[float, list[float]]:
+    """The same request as a gRPC stream straight from a worker (or the router's gRPC API, a `target` address):
+    one hop fewer each."""
     import grpc
     from glm5.client import sampling
+    from glm5.security import INTERNAL_TOKEN_METADATA
     from glm5.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     request = worker_pb2.GenerateRequest(
         prompt_token_ids=ids, sampling=sampling(max_new_tokens=new, temperature=0, ignore_eos=True)
     )
-    with grpc.insecure_channel(target) as ch:
-        if via_router:
-            stream = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.RouterGenerateRequest(request=request))
+    via_router = isinstance(target, str)
+    with grpc.insecure_channel(target if isinstance(target, str) else target.address) as ch:
+        if isinstance(target, str):
+            stub: Any = router_pb2_grpc.RouterStub(ch)  # type: ignore[no-untyped-call]
+            stream = stub.Generate(router_pb2.RouterGenerateRequest(request=request))
         else:
-            stream = worker_pb2_grpc.WorkerStub(ch).Generate(request)
+            stub = worker_pb2_grpc.WorkerStub(ch)  # type: ignore[no-untyped-call]
+            stream = stub.Generate(request, metadata=((INTERNAL_TOKEN_METADATA, target.token),))
         start = time.perf_counter()
         arrivals = [time.perf_counter() for r in stream if (r.response if via_router else r).token_ids]
     return arrivals[0] - start, [b - a for a, b in itertools.pairwise(arrivals)]
@@ -382,20 +416,27 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=0)
     ap.add_argument("--llama-server")
     ap.add_argument("--unfused", action="store_true", help="also a compiled engine without fused input projections")
+    ap.add_argument("--enforce-eager", action="store_true", help="our engine eager only (no compiled engine)")
+    ap.add_argument("--smoke", action="store_true", help="offline, --profile, --serve, --users 2: small, eager")
     a = ap.parse_args()
     if (a.llama_bench or a.llama_server) and not a.gguf:
         raise SystemExit("--llama-bench and --llama-server need --gguf (the same weights converted to GGUF)")
+    if a.smoke:
+        a.context, a.new, a.runs, a.threads, a.enforce_eager = 128, 16, 1, 1, True
+        a.profile, a.serve, a.users = True, True, 2
     torch.set_num_threads(a.threads)
+    ours = "eager" if a.enforce_eager else "compiled"  # the engine compared with llama.cpp and served
+    rows: dict[str, int] = collections.defaultdict(int)  # each table's rows, for --smoke
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "m", preset=PRESET, seed=0)
         start = time.perf_counter()
-        engine = new_engine(model)
+        engine = new_engine(model, eager=a.enforce_eager)
         compiled = engine.runner.compiled
-        print(f"compiled engine started in {time.perf_counter() - start:.1f} s "
+        print(f"{ours} engine started in {time.perf_counter() - start:.1f} s "
               f"(compiling {compiled.compile_seconds if compiled else 0:.1f} s)")  # fmt: skip
-        engines = {"eager": new_engine(model, eager=True), "compiled": engine}
+        engines = {ours: engine} if a.enforce_eager else {"eager": new_engine(model, eager=True), "compiled": engine}
         if a.unfused:
-            engines["compiled, unfused"] = new_engine(model, fused=False)
+            engines[f"{ours}, unfused"] = new_engine(model, eager=a.enforce_eager, fused=False)
         vocab = engine.model_config.vocab_size
         ids = context_ids(vocab, a.context)
         for e in engines.values():
@@ -414,20 +455,26 @@ def main() -> None:
                 prefills[name].append(a.context / prefill)
                 print(f"| {name} | {run + 1} | {a.context / prefill:,.0f} | {ms(steps):.2f} | {ms(steps, 0.9):.2f} | "
                       f"{1000 / ms(steps):.0f} |")  # fmt: skip
-                if name == "compiled":
+                rows["offline"] += len(steps) == a.new - 1
+                if name == ours:
                     ours_runs.append(ms(steps))
             if a.llama_bench:
                 pp, tps = llama_bench(a.llama_bench, a.gguf, a.context, a.new, a.threads)
                 llama_runs.append(1000 / tps)
                 prefills["llama.cpp"].append(pp)
                 print(f"| llama.cpp | {run + 1} | {pp:,.0f} | {1000 / tps:.2f} (mean) | | {tps:.0f} |")
-        all_steps = per["compiled"]
+        all_steps = per[ours]
         offline_ms = ms(all_steps)
-        print(f"\noffline median over runs: compiled {offline_ms:.2f} ms/token, eager {ms(per['eager']):.2f} "
-              f"({ms(per['eager']) / offline_ms:.2f}x the compiled time)")  # fmt: skip
-        ours_pp = sorted(prefills["compiled"])[a.runs // 2]
-        print(f"prefill median over runs: {ours_pp:,.0f} tok/s (compiled engine; prefill steps run eagerly)")
-        if a.llama_bench:
+        if a.enforce_eager:
+            print(f"\noffline median over runs: eager {offline_ms:.2f} ms/token (no compiled engine: --enforce-eager)")
+        else:
+            print(f"\noffline median over runs: compiled {offline_ms:.2f} ms/token, eager {ms(per['eager']):.2f} "
+                  f"({ms(per['eager']) / offline_ms:.2f}x the compiled time)")  # fmt: skip
+        ours_pp = sorted(prefills[ours])[a.runs // 2]
+        print(f"prefill median over runs: {ours_pp:,.0f} tok/s ({ours} engine; prefill steps run eagerly)")
+        if not a.llama_bench:
+            print("llama.cpp: not run (--llama-bench PATH --gguf FILE runs it; docs/benchmarks.md n says how)")
+        else:
             theirs_pp = sorted(prefills["llama.cpp"])[a.runs // 2]
             print(f"llama.cpp prefill median: {theirs_pp:,.0f} tok/s; ours {ours_pp / theirs_pp:.2f}x")
             ratios = sorted(ours / theirs for ours, theirs in zip(ours_runs, llama_runs, strict=True))
@@ -436,13 +483,14 @@ def main() -> None:
                   f"{', '.join(f'{r:.2f}' for r in ratios)} (median {ratios[len(ratios) // 2]:.2f}x the time; "
                   f"ours faster in {sum(r < 1 for r in ratios)} of {len(ratios)} runs)")  # fmt: skip
         if a.unfused:
-            unfused = ms(per["compiled, unfused"])
-            print(f"compiled without fused input projections: {unfused:.2f} ms/token ({unfused / offline_ms:.2f}x)")
-            del engines["compiled, unfused"]
-        del engines["eager"]
+            unfused = ms(per[f"{ours}, unfused"])
+            print(f"{ours} without fused input projections: {unfused:.2f} ms/token ({unfused / offline_ms:.2f}x)")
+            del engines[f"{ours}, unfused"]
+        if not a.enforce_eager:
+            del engines["eager"]
 
         if a.profile:
-            parts = instrument(engine, model_parts=False)
+            parts = instrument(engine, model_parts=a.enforce_eager)  # a compiled step calls no model part
             _, steps = offline(engine, ids, a.new, "profiled", parts)
             n = parts.calls["step (all)"]
             step_ms = 1000 * parts.seconds["step (all)"] / n
@@ -451,23 +499,25 @@ def main() -> None:
             print("| part | ms/step | calls/step |\n|---|---:|---:|")
             for label, secs in sorted(parts.seconds.items(), key=lambda kv: -kv[1]):
                 print(f"| {label} | {1000 * secs / n:.3f} | {parts.calls[label] / n:.1f} |")
+                rows["profile"] += 1
             total, top = ops_per_decode_step(new_engine(model, eager=True), ids)
             print(f"\nATen ops dispatched by one eager decode step: {total}\n")
             print("| op | calls | self CPU us |\n|---|---:|---:|")
             for name, count, us in top:
                 print(f"| {name} | {count} | {us:.0f} |")
+                rows["ops"] += 1
 
         if a.serve:
             hops: dict[str, list[float]] = collections.defaultdict(list)
             cpu: dict[str, float] = collections.defaultdict(float)  # CPU seconds over the SSE runs
             sse_tokens = 0
-            with serve(model, a.threads) as (base, router_grpc, worker, pids):
+            with serve(model, a.threads, a.enforce_eager) as (base, router_grpc, worker, pids):
                 clients: dict[str, Any] = {
                     # the engine offline again, interleaved with the clients: each hop is measured against
                     # the engine's time of the same minutes
                     "engine offline": lambda n: (0.0, offline(engine, ids, n, "serve")[1]),
-                    "worker gRPC stream": lambda n: grpc_gaps(worker, ids, n, via_router=False),
-                    "router gRPC stream": lambda n: grpc_gaps(router_grpc, ids, n, via_router=True),
+                    "worker gRPC stream": lambda n: grpc_gaps(worker, ids, n),
+                    "router gRPC stream": lambda n: grpc_gaps(router_grpc, ids, n),
                     "router HTTP SSE (/v1/completions)": lambda n: stream_gaps(base, ids, n),
                 }
                 for client in clients.values():
@@ -485,27 +535,36 @@ def main() -> None:
                             for k, v in per_token_cpu(pids).items():
                                 cpu[k] += v - before[k]
                         print(f"| {name} | {run + 1} | {1000 * ttft:.0f} | {ms(g):.2f} | {ms(g, 0.9):.2f} |")
+                        rows["serve"] += bool(g)  # a row (a hop may merge tokens that queued: fewer gaps)
+                if a.smoke:  # --users on this glm5 serve: one start-up fewer
+                    rows["users"] = concurrent(model, a, vocab, base)
             print("\n| where | ms/token (median) | added by this hop |\n|---|---:|---:|")
-            before = None
+            previous: float | None = None
             for name, g in hops.items():
-                print(f"| {name} | {ms(g):.2f} | {'' if before is None else f'{ms(g) - before:+.2f}'} |")
-                before = ms(g)
-            sse = ms(hops["router HTTP SSE (/v1/completions)"]) - ms(hops["engine offline"])
-            print(f"\nthrough glm5 serve (SSE) over the engine offline: {sse:+.2f} ms/token")
+                print(f"| {name} | {ms(g):.2f} | {'' if previous is None else f'{ms(g) - previous:+.2f}'} |")
+                previous = ms(g)
+            over = ms(hops["router HTTP SSE (/v1/completions)"]) - ms(hops["engine offline"])
+            print(f"\nthrough glm5 serve (SSE) over the engine offline: {over:+.2f} ms/token")
             print("\nCPU per streamed token outside the engine's step (the SSE runs; on a host whose cores the step "
                   "keeps busy, it adds to the time between tokens):\n")  # fmt: skip
             print("| process | CPU ms/token |\n|---|---:|")
             for k, v in cpu.items():
                 print(f"| {k} | {1000 * v / sse_tokens:.3f} |")
 
-        if a.users:
-            concurrent(model, a, vocab)
+        if a.users and not a.smoke:
+            rows["users"] = concurrent(model, a, vocab)
+    if a.smoke:  # the tables, not the speed: every run of every engine, part and client, each at full length
+        want = {"offline": a.runs, "profile": 1, "ops": 1, "serve": 4 * a.runs, "users": a.runs}
+        assert all(rows[k] >= n for k, n in want.items()), dict(rows)
+        print("smoke: ok")
 
 
-def concurrent(model: Path, a: argparse.Namespace, vocab: int) -> None:
-    """--users N: glm5 serve (and llama-server) with N users at once, runs interleaved."""
+def concurrent(model: Path, a: argparse.Namespace, vocab: int, running: str | None = None) -> int:
+    """--users N: glm5 serve (started here unless `running` is its address) and llama-server with N users at once,
+    runs interleaved; the rows printed."""
+    printed = 0
     with contextlib.ExitStack() as stack:
-        servers = {"glm5 serve": stack.enter_context(serve(model, a.threads))[0]}
+        servers = {"glm5 serve": running or stack.enter_context(serve(model, a.threads, a.enforce_eager))[0]}
         if a.llama_server:
             servers["llama-server"] = stack.enter_context(
                 llama_server(a.llama_server, a.gguf, a.users, a.context, a.new, a.threads)
@@ -524,6 +583,7 @@ def concurrent(model: Path, a: argparse.Namespace, vocab: int) -> None:
                 tps, ttft, itl = users(base, prompts, a.new)
                 rows[name].append((tps, ttft, itl))
                 print(f"| {name} | {run + 1} | {tps:.0f} | {ms(ttft):.0f} | {1000 * max(ttft):.0f} | {ms(itl):.2f} |")
+                printed += len(ttft) == a.users
         print("\n| server | output tok/s (median of runs) | TTFT p50 ms (all users) | time between tokens p50 ms |")
         print("|---|---:|---:|---:|")
         for name, rs in rows.items():
@@ -531,6 +591,7 @@ def concurrent(model: Path, a: argparse.Namespace, vocab: int) -> None:
             ttft_all = [t for r in rs for t in r[1]]
             itl_all = [t for r in rs for t in r[2]]
             print(f"| {name} | {tps_med:.0f} | {ms(ttft_all):.0f} | {ms(itl_all):.2f} |")
+    return printed
 
 
 if __name__ == "__main__":
