@@ -25,7 +25,16 @@ from glm5_router.workers.breaker import CircuitBreaker, State
 from glm5_router.workers.stream import WorkerStream
 
 log = logging.getLogger(__name__)
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# A channel whose worker cannot be reached (not started yet, loading, restarting) retries its connection after a
+# backoff, and fails calls at once in between. gRPC's default backoff grows 1.6x per attempt up to 120 s: a worker
+# that came up after a minute or more away was taken back up to two minutes late (2m16s in issue 34). Here it
+# retries every second at most, so a poll reaches a worker within about a second of it listening again.
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclass(eq=False)
