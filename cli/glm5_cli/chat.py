@@ -11,6 +11,10 @@ from typing import Any
 DIM, RESET = "\033[2m", "\033[0m"
 URL_ENV = "GLM5_URL"  # the OpenAI-compatible base URL `glm5 chat` talks to without --url
 DEFAULT_URL = "http://localhost:8000/v1"
+KEY_ENVS = (
+    "GLM5_API_KEY",
+    "OPENAI_API_KEY",
+)  # the router's API key, when it wants one (never a flag: `ps` shows those)
 CONNECT_TIMEOUT_S = 3.0  # the first call: nothing listening fails at once, a host that drops packets in this
 
 
@@ -58,7 +62,8 @@ def _once(client: Any, model: str, history: list[dict[str, Any]], a: argparse.Na
 def run(a: argparse.Namespace) -> int:
     import openai
 
-    client = openai.OpenAI(base_url=a.url, api_key="not-needed")
+    key = next((os.environ[k] for k in KEY_ENVS if os.environ.get(k)), "not-needed")
+    client = openai.OpenAI(base_url=a.url, api_key=key)
     try:
         try:
             # no retries and a short timeout for the first call: the client's own (2 retries with backoff, a
@@ -68,6 +73,9 @@ def run(a: argparse.Namespace) -> int:
         except openai.APIConnectionError as exc:
             print(f"error: nothing answers at {a.url} ({exc.__cause__ or exc}); start it with `glm5 serve`, or "
                   f"point --url (or ${URL_ENV}) at a router", file=sys.stderr)  # fmt: skip
+            return 1
+        except openai.AuthenticationError:
+            print(f"error: {a.url} wants an API key: set {KEY_ENVS[0]}", file=sys.stderr)
             return 1
         history: list[dict[str, Any]] = []
         messages = [a.message] if a.message else None

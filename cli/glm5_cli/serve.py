@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 from glm5.errors import BindError, ConfigError
@@ -30,10 +31,11 @@ INTERNAL_ENV = "GLM5_INTERNAL_TOKEN"  # the run's internal token, in the workers
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the built-in tiny model)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (model replicas)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
+                   help="where the workers run the model (auto: an accelerator if any, else the CPU)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address the router listens on")
-    p.add_argument("--grpc-port", type=int, default=50050)
-    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50050, help="the router's gRPC API (glm5.v1.Router)")
+    p.add_argument("--http-port", type=int, default=8000, help="the router's OpenAI-compatible HTTP API")
     p.add_argument("--redis-url", help="share the queue through Redis (default: in-process)")
     p.add_argument(
         "--thinking-policy",
@@ -44,6 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sm4-key-dir", help="accept SM4-GCM sealed gRPC requests with these keys")
     p.add_argument("--worker-arg", action="append", default=[], help="extra `glm5 worker` flag (repeatable), "
                    "e.g. --worker-arg=--max-num-seqs=32")  # fmt: skip
+    p.add_argument("--router-arg", action="append", default=[], help="extra `glm5 router` flag (repeatable), "
+                   "e.g. --router-arg=--max-queued=100")  # fmt: skip
+    g = p.add_argument_group("who may call the router (docs/security.md); the workers answer only the router")
+    g.add_argument("--api-key", action="append", default=[],
+                   help="a key clients must send as 'Authorization: Bearer' (repeatable; visible to `ps`: prefer "
+                   "--api-key-env or --api-key-file)")  # fmt: skip
+    g.add_argument("--api-key-env", help="environment variable holding API keys (comma-separated)")
+    g.add_argument("--api-key-file", help="file of API keys, one per line")
+    g.add_argument("--http-tls-cert", help="PEM certificate: serve the OpenAI API over HTTPS")
+    g.add_argument("--http-tls-key", help="PEM private key of --http-tls-cert")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a worker may take to load")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds running requests may take to finish on Ctrl-C / SIGTERM")  # fmt: skip
@@ -172,11 +184,35 @@ class Supervisor:
         stop_processes([p for p in self.procs if p is not None], timeout)
 
 
+def router_config(a: argparse.Namespace, targets: list[str]) -> RouterConfig:
+    """The router's settings as `glm5 router` would read them from these flags (its own parser: every router flag
+    works through --router-arg, and the checks are the router's)."""
+    from glm5_router.cli import add_arguments as router_arguments
+    from glm5_router.cli import config_from_args
+
+    argv = [f"--worker={t}" for t in targets]
+    argv += [f"--host={a.host}", f"--grpc-port={a.grpc_port}", f"--http-port={a.http_port}",
+             f"--thinking-policy={a.thinking_policy}", f"--no-worker-timeout={a.no_worker_timeout}",
+             *[f"--api-key={k}" for k in a.api_key]]  # fmt: skip
+    for flag, value in (("--redis-url", a.redis_url), ("--sm4-key-dir", a.sm4_key_dir), ("--api-key-env",
+                        a.api_key_env), ("--api-key-file", a.api_key_file), ("--http-tls-cert", a.http_tls_cert),
+                        ("--http-tls-key", a.http_tls_key)):  # fmt: skip
+        if value:
+            argv.append(f"{flag}={value}")
+    parser = _RouterFlags(prog="glm5 serve --router-arg")
+    router_arguments(parser)
+    return config_from_args(parser.parse_args([*argv, *a.router_arg]))
+
+
+class _RouterFlags(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse would print the router's usage and exit
+        raise ConfigError(f"--router-arg: {message}")
+
+
 def run(a: argparse.Namespace) -> None:
     """Checks the ports, the model and the flags, then starts the workers (each binds its port, then loads) and,
     once they serve, the router: a taken port or a missing model fails within a second, not after a load."""
     from glm5.security import Secret
-    from glm5_router.config import RouterConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.workers < 1:
@@ -190,11 +226,7 @@ def run(a: argparse.Namespace) -> None:
     # token per run, in the workers' environment (never on a command line, which `ps` shows) and the router's
     # memory; it is written nowhere.
     token = Secret(secrets.token_urlsafe(32))
-    config = RouterConfig(
-        workers=tuple(targets), host=a.host, grpc_port=a.grpc_port, http_port=a.http_port,
-        redis_url=a.redis_url, thinking_policy=a.thinking_policy, sm4_key_dir=a.sm4_key_dir,
-        no_worker_timeout_s=a.no_worker_timeout, internal_token=token,
-    )  # fmt: skip
+    config = dataclasses.replace(router_config(a, targets), internal_token=token)
     from glm5.model.presets import default_model_path  # imports torch: after the checks above
 
     model = Path(a.model) if a.model else default_model_path()  # built once, before the workers race for it
@@ -212,6 +244,25 @@ def run(a: argparse.Namespace) -> None:
         supervisor.stop(a.shutdown_grace + 3)
 
 
+def banner(config: RouterConfig, model: str, http_port: int, grpc_port: int) -> str:
+    """What serves where, and a first command that reaches it as started (the real port, a key if one is needed)."""
+    from glm5_cli.chat import DEFAULT_URL, URL_ENV
+
+    host = "localhost" if config.host in ("0.0.0.0", "127.0.0.1") else config.host
+    url = f"{'https' if config.http_tls.enabled else 'http'}://{host}:{http_port}/v1"
+    chat = "glm5 chat 'What is 12 + 30?'"
+    if url != DEFAULT_URL:
+        chat = f"{URL_ENV}={url} {chat}"
+    if config.api_keys:
+        chat = f"GLM5_API_KEY=<key> {chat}"
+    return (f"\nglm5 is serving {model} with {len(config.workers)} worker(s)"
+            f"{' (API keys required)' if config.api_keys else ''}\n"
+            f"  OpenAI HTTP: {url}\n"
+            f"  gRPC:        {host}:{grpc_port} (glm5.v1.Router, with reflection)\n"
+            f"  workers:     {', '.join(config.workers)} (they answer this router only)\n"
+            f"  try:         {chat}   (Ctrl-C stops everything)\n")  # fmt: skip
+
+
 async def _serve(config: RouterConfig, supervisor: Supervisor, grace: float) -> None:
     from glm5.serving import freeze_heap
     from glm5_router.server.app import start_router
@@ -219,11 +270,7 @@ async def _serve(config: RouterConfig, supervisor: Supervisor, grace: float) -> 
     app = await start_router(config)
     freeze_heap()
     await app.pool.wait_ready(60)
-    host = "localhost" if config.host in ("0.0.0.0", "127.0.0.1") else config.host
-    print(f"\nglm5 is serving {app.frontend.model_name} with {len(config.workers)} worker(s)\n"
-          f"  OpenAI HTTP: http://{host}:{app.http_port}/v1\n"
-          f"  gRPC:        {host}:{app.grpc_port}\n"
-          f"  try:         glm5 chat 'What is 2 + 3?'   (Ctrl-C stops everything)\n", flush=True)  # fmt: skip
+    print(banner(config, app.frontend.model_name, app.http_port, app.grpc_port), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -141,3 +141,49 @@ def test_serve_restarts_a_killed_worker_and_stops_within_the_grace(tmp_path: Pat
         took = time.monotonic() - start
     assert code == 0, log.read_text()[-3000:]
     assert took < 3 + 5, f"SIGTERM took {took:.1f}s"
+
+
+def test_serve_api_keys_and_router_args_reach_the_router(tmp_path: Path) -> None:
+    """`glm5 serve --api-key-env` (as `vllm serve --api-key`): requests without the key are 401, with it served;
+    --router-arg passes any `glm5 router` flag on; the banner's hint names the real URL and the key it needs."""
+    http_port, grpc_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "glm5_cli", "serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+           "--api-key-env", "SERVE_TEST_KEYS", "--router-arg=--max-queued=7", "--worker-arg=--kv-cache-bytes=64MiB",
+           "--worker-arg=--max-model-len=2048"]  # fmt: skip
+    env = {**os.environ, "SERVE_TEST_KEYS": "serve-key-1,serve-key-2"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_http(f"http://127.0.0.1:{http_port}/health", proc, timeout=300)
+        base = f"http://127.0.0.1:{http_port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=base, api_key="serve-key-2", max_retries=2)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "2 + 3?"}],
+                                               max_tokens=4)  # fmt: skip
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        text = log.read_text()
+        assert "(API keys required)" in text and f"GLM5_URL=http://localhost:{http_port}/v1" in text
+        assert "GLM5_API_KEY=<key>" in text and "serve-key" not in text
+        chat = [sys.executable, "-m", "glm5_cli", "chat", "--max-tokens", "4", "What is 12 + 30?"]
+        env = {**os.environ, "GLM5_URL": base}
+        env.pop("OPENAI_API_KEY", None)
+        refused = subprocess.run(chat, capture_output=True, text=True, timeout=60, env=env)
+        assert refused.returncode == 1 and "wants an API key: set GLM5_API_KEY" in refused.stderr
+        served = subprocess.run(
+            chat, capture_output=True, text=True, timeout=120, env={**env, "GLM5_API_KEY": "serve-key-1"}
+        )
+        assert served.returncode == 0 and served.stdout.strip(), served.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+    assert code == 0, log.read_text()[-3000:]
+
+
+def test_serve_refuses_a_bad_router_arg_before_starting_anything() -> None:
+    done = subprocess.run([sys.executable, "-m", "glm5_cli", "serve", "--http-port", str(free_port()),
+                           "--grpc-port", str(free_port()), "--router-arg=--no-such-flag"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode != 0 and "--router-arg" in done.stderr and "--no-such-flag" in done.stderr
