@@ -3,7 +3,7 @@
 (never on a command line), a bounded wait for each process to serve that says how long it took, and its output
 in a log file whose tail is shown when it fails.
 
-Not a benchmark itself: benchmarks/rl_loop.py and benchmarks/breaker_soak.py use it.
+Not a benchmark (the leading underscore): benchmarks/rl_loop.py and benchmarks/breaker_soak.py use it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from glm5.model.presets import SHIPPED_MODEL
 from glm5.v1 import worker_pb2
 from glm5_router.config import BreakerConfig
 
-from benchmarks.launch import Tokens, start
+from benchmarks._launch import Tokens, start
 from tests.helpers.procs import start_router, stop
 
 SIGNALS = {"kv_fragmentation": "kv_fragmentation", "attention_entropy_drift": "entropy_drift",

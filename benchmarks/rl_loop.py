@@ -39,7 +39,7 @@ from glm5.model.presets import default_model_path
 from glm5_trainer.loop import RLConfig, RLRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.launch import Started, Tokens, start
+from benchmarks._launch import Started, Tokens, start
 from tests.helpers.procs import stop
 
 KEYS = ("wait_seconds", "step_seconds", "publish_seconds", "sync_seconds")
