@@ -6,6 +6,8 @@ tokenizer, so token ids and the tokenizer fingerprint are genuine. The prompt pi
 
 - contains THINK  -> "<think>I add 2 and 3.</think>The answer is 5."
 - contains TOOL   -> a get_weather tool call (BADTOOL: a call to an unknown tool)
+- contains LONECLOSE -> reasoning closed by a `</think>` that was never opened, then an answer
+- contains STRAY  -> tool-call markup with no `<tool_call>` (a model that lost the format)
 - contains FAIL_BEFORE -> UNAVAILABLE before any token;  FAIL_AFTER -> two chunks, then UNAVAILABLE
 - contains SLOW   -> 50 ms between chunks;  PAUSE -> 6 s between the first chunk and the second
 (`stream_interval` is honoured: chunks are held back until that many tokens are ready, the last one carries the rest)
@@ -44,6 +46,8 @@ SCRIPTS = {
     "THINK": ["<think>", "I add 2 ", "and 3.", "</th", "ink>", "The answer ", "is 5."],
     "BADTOOL": ["Let me send it.",
                 "<tool_call>send_email<arg_key>to</arg_key><arg_value>x@y.z</arg_value></tool_call>"],
+    "LONECLOSE": [" + 30 + 30 = 5", "2</thi", "nk>The answer ", "is 52."],
+    "STRAY": ["The answer is * 5", "1151</arg_value><arg_key>b</arg_key>", "<arg_value>2</arg_value></tool_call>"],
     "TOOL": ["<think>Need the weather.</think>", "Checking.", "<tool_call>get_weather<arg_key>city</arg_key>",
              "<arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"],
 }  # fmt: skip
@@ -151,8 +155,11 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):  # type: ignore[misc]
         if self._control().get("_no_tokenizer"):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: no tokenizer")
         tokenizer_json, config = self.tok.files
+        # a scripted model follows the template's thinking switch (it is not the demo model, which reasons always)
+        settings = json.loads(config)
+        settings.pop("glm5_thinking_off", None)
         return worker_pb2.TokenizerFiles(
-            tokenizer_json=tokenizer_json, tokenizer_config_json=config, fingerprint=self.tok.fingerprint
+            tokenizer_json=tokenizer_json, tokenizer_config_json=json.dumps(settings), fingerprint=self.tok.fingerprint
         )
 
 

@@ -52,6 +52,9 @@ class ToolCallError:
     name: str
     error: str
     raw: str
+    # what went wrong, for metrics: unknown_tool, invalid_arguments, shell_policy, malformed (markup that is not a
+    # whole call) or unclosed
+    reason: str = "invalid_arguments"
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +182,7 @@ class ToolRegistry:
         rest = "<arg_key>" + rest if rest else ""
         tool = self.tools.get(name)
         if tool is None:
-            return ToolCallError(name, f"unknown tool {name!r}", raw)
+            return ToolCallError(name, f"unknown tool {name!r}", raw, "unknown_tool")
         props: dict[str, Any] = tool.parameters.get("properties", {})
         args: dict[str, Any] = {}
         for key, value in _ARG.findall(rest):
@@ -193,7 +196,7 @@ class ToolRegistry:
                     args[key] = value
         leftover = _ARG.sub("", rest).strip()
         if leftover:
-            return ToolCallError(name, f"malformed arguments: {leftover[:80]!r}", raw)
+            return ToolCallError(name, f"malformed arguments: {leftover[:80]!r}", raw, "malformed")
         try:
             jsonschema.validate(args, tool.parameters)
         except jsonschema.ValidationError as exc:
@@ -201,17 +204,24 @@ class ToolRegistry:
             return ToolCallError(name, f"{where}: {exc.message}", raw)
         problem = self.policy.violation(name, args, tool.parameters)
         if problem:
-            return ToolCallError(name, problem, raw)
+            return ToolCallError(name, problem, raw, "shell_policy")
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, args)
 
 
+STRAY = TAGS[1:]  # markup that only belongs inside a call: outside one it starts a malformed call
+
+
 class ToolCallParser:
-    """Streams content through, holding back <tool_call> blocks and resolving each one when it closes."""
+    """Streams content through, holding back <tool_call> blocks and resolving each one when it closes. Tool-call
+    markup outside a block (`<arg_value>47</arg_value></tool_call>` with no `<tool_call>`: a model that lost the
+    format) is never content: from its first tag through the next `</tool_call>` (or the end) it is a malformed
+    call, a ToolCallError."""
 
     def __init__(self, registry: ToolRegistry) -> None:
         self.registry = registry
         self._buf = ""
         self._in_call = False
+        self._stray = False  # inside markup that did not open with <tool_call>
         self.calls: list[ToolCall] = []
         self.errors: list[ToolCallError] = []
 
@@ -222,35 +232,54 @@ class ToolCallParser:
         out: list[str] = []
         done: list[ToolCall | ToolCallError] = []
         while text:
+            if self._stray:  # up to its `</tool_call>`, or up to a `<tool_call>` that opens a real call
+                close, reopen = text.find(CALL_CLOSE), text.find(CALL_OPEN, 1)
+                if close < 0 and reopen < 0:
+                    self._buf = text
+                    break
+                end = close + len(CALL_CLOSE) if close >= 0 and (reopen < 0 or close < reopen) else reopen
+                done.append(self._record(self._stray_error(text[:end])))
+                text, self._stray = text[end:], False
+                continue
             if self._in_call:
                 at = text.find(CALL_CLOSE)
                 if at < 0:
                     self._buf = text
                     break
-                result = self.registry.resolve(text[:at])
-                (self.calls if isinstance(result, ToolCall) else self.errors).append(result)  # type: ignore[arg-type]
-                done.append(result)
-                text = text[at + len(CALL_CLOSE) :]
-                self._in_call = False
+                done.append(self._record(self.registry.resolve(text[:at])))
+                text, self._in_call = text[at + len(CALL_CLOSE) :], False
                 continue
-            at = text.find(CALL_OPEN)
-            if at >= 0:
+            found = [(i, tag) for tag in TAGS if (i := text.find(tag)) >= 0]
+            if found:
+                at, tag = min(found)
                 out.append(text[:at])
-                text = text[at + len(CALL_OPEN) :]
-                self._in_call = True
+                if tag == CALL_OPEN:
+                    text, self._in_call = text[at + len(CALL_OPEN) :], True
+                else:
+                    text, self._stray = text[at:], True
                 continue
-            keep = _partial_suffix(text, CALL_OPEN)
+            keep = max(_partial_suffix(text, tag) for tag in TAGS)
             out.append(text[: len(text) - keep])
             self._buf = text[len(text) - keep :]
             break
         return "".join(out), done
 
+    def _record(self, result: ToolCall | ToolCallError) -> ToolCall | ToolCallError:
+        (self.calls if isinstance(result, ToolCall) else self.errors).append(result)  # type: ignore[arg-type]
+        return result
+
+    def _stray_error(self, raw: str) -> ToolCallError:
+        return ToolCallError("", "tool-call markup outside a <tool_call> block (the model broke the call format): "
+                             f"{raw[:80]!r}", raw, "malformed")  # fmt: skip
+
     def finish(self) -> tuple[str, list[ToolCall | ToolCallError]]:
         """End of stream: an unclosed call is an error; a held partial tag is plain text."""
         buf, self._buf = self._buf, ""
-        if self._in_call:
-            self._in_call = False
-            err = ToolCallError(buf.partition("<arg_key>")[0].strip(), "the tool call was not closed", buf)
+        if self._in_call or self._stray:
+            name = buf.partition("<arg_key>")[0].strip()
+            err = self._stray_error(buf) if self._stray else ToolCallError(name, "the tool call was not closed", buf,
+                                                                             "unclosed")  # fmt: skip
+            self._in_call = self._stray = False
             self.errors.append(err)
             return "", [err]
         return buf, []

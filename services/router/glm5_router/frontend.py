@@ -33,6 +33,7 @@ Thinking = Literal["off", "light", "deep"]
 STRUCTURAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
               "</arg_value>"}  # fmt: skip
 AFFINITY_PREFIX_TOKENS = 64
+LONE_CLOSE_STREAM_HOLD = 64  # characters of a streamed non-thinking answer held to see a lone </think> (docs/router.md)
 INLINE_CHARS = 32 << 10  # inputs up to this size are tokenised on the event loop (well under a millisecond)
 # request and session ids are ids, not payloads: they travel in log lines, Redis keys and the reasoning store
 MAX_ID_CHARS = 256
@@ -64,6 +65,7 @@ class GenerateInput:
     session_id: str | None = None
     lane: Lane | None = None
     timeout_s: float | None = None
+    streamed: bool = True  # the client sees deltas as they come (False: one whole answer, as HTTP without stream)
 
 
 @dataclass
@@ -180,9 +182,15 @@ class Frontend:
             if value:
                 check_id(name, value, MAX_ID_CHARS + 32)  # room for the choices' and prompts' -p<k>-<i> suffixes
         ids, text, thinking, registry = self.encode(inp)
-        job = self._job(inp, ids, thinking)
+        hidden = thinking == "off" and self._reasons_anyway(inp)
+        job = self._job(inp, ids, "deep" if hidden else thinking)
+        job.hide_reasoning = hidden
+        if text.rstrip().endswith(THINK_OPEN + THINK_CLOSE):  # the template closed the think block: "off" (skip)
+            # a model that reasons anyway ends its reasoning with a lone </think>: held back this far to see (all of
+            # it when nothing streams; a few tokens' delay when it does)
+            job.lone_close_hold = LONE_CLOSE_STREAM_HOLD if inp.streamed else 1 << 30
         in_reasoning = text.rstrip().endswith(THINK_OPEN)
-        if job.request.sampling.HasField("structured_output") and (thinking != "off" or in_reasoning):
+        if job.request.sampling.HasField("structured_output") and (thinking != "off" or hidden or in_reasoning):
             # the format applies to the answer: thinking before it stays free
             fmt = job.request.sampling.structured_output
             fmt.think_open_token_id = self.tokenizer.encode(THINK_OPEN)[-1]
@@ -210,8 +218,10 @@ class Frontend:
             messages = self._messages(inp.messages, inp.session_id)
             last_user = next((str(m.get("content") or "") for m in reversed(messages) if m["role"] == "user"), "")
             thinking = self.resolve_thinking(inp.thinking, last_user)
+            # a model that reasons whatever the template says thinks, and "off" hides its reasoning instead
+            think = thinking != "off" or self._reasons_anyway(inp)
             ids, text = tok.encode_chat(
-                messages, self._token_limit(), tools=inp.tools or None, enable_thinking=thinking != "off",
+                messages, self._token_limit(), tools=inp.tools or None, enable_thinking=think,
                 thinking_budget=self.config.light_thinking_budget if thinking == "light" else None,
             )  # fmt: skip
         elif inp.prompt_token_ids:
@@ -229,6 +239,13 @@ class Frontend:
         if not ids:
             raise InvalidRequestError("prompt", "the prompt is empty after tokenisation")
         return ids, text, thinking, registry
+
+    def _reasons_anyway(self, inp: GenerateInput) -> bool:
+        """The model's tokenizer_config.json says `"glm5_thinking_off": "hide"`: it was trained to reason before
+        every answer (the shipped demo model), so a template that skips the thinking confuses it, and "off" means
+        the reasoning is generated but not returned. Otherwise ("skip", the default, as GLM-5) "off" renders the
+        template's non-thinking mode and the model answers at once."""
+        return inp.messages is not None and self.tokenizer.config.get("glm5_thinking_off") == "hide"
 
     def _token_limit(self) -> int:
         # the prompt must leave room for one new token
@@ -360,10 +377,14 @@ class Frontend:
 
     async def _deltas(self, job: Job, in_reasoning: bool, registry: ToolRegistry | None,
                       session: str | None) -> AsyncIterator[Delta]:  # fmt: skip
-        reasoning_parser = ReasoningParser(in_reasoning)
-        tools = ToolCallParser(registry) if registry is not None and registry.tools else None
+        # chat (a registry, possibly empty): a lone </think> ends reasoning, and tool-call markup is never content
+        # (with no tools offered, a call is an error too)
+        chat = registry is not None
+        reasoning_parser = ReasoningParser(in_reasoning, lone_close=chat, hold_chars=job.lone_close_hold)
+        tools = ToolCallParser(registry) if registry is not None else None
+        errors = self.dispatcher.telemetry.tool_call_errors
         reasoning_all, content_all = [], []
-        async for resp in self._generate(job, reasoning_parser):
+        async for resp in self._flushed(self._generate(job, reasoning_parser), reasoning_parser, job):
             split = reasoning_parser.feed(resp.text)
             final = resp.finish_reason != 0
             tail = reasoning_parser.finish() if final else None
@@ -378,9 +399,25 @@ class Frontend:
             reasoning, content = self._clean(reasoning), self._clean(content)
             reasoning_all.append(reasoning)
             content_all.append(content)
-            yield Delta(resp, reasoning, content, results)
+            for r in results:
+                if isinstance(r, ToolCallError):
+                    errors.labels(r.reason).inc()
+            yield Delta(resp, "" if job.hide_reasoning else reasoning, content, results)
         if session and reasoning_all and "".join(content_all).strip():
             self.reasoning.put(session, "".join(content_all), "".join(reasoning_all))
+
+    async def _flushed(self, responses: AsyncIterator[worker_pb2.GenerateResponse], parser: ReasoningParser,
+                       job: Job) -> AsyncIterator[worker_pb2.GenerateResponse]:  # fmt: skip
+        """`responses`; if they fail, first what the parser still holds (text that waited for a lone </think>
+        reaches the client before the error, as it would have without the wait)."""
+        try:
+            async for resp in responses:
+                yield resp
+        except Exception:
+            held = parser.pending()
+            if held:
+                yield worker_pb2.GenerateResponse(request_id=job.id, text=held)
+            raise
 
     async def _generate(self, job: Job, parser: ReasoningParser) -> AsyncIterator[worker_pb2.GenerateResponse]:
         """The worker's stream; with a reasoning budget (light thinking), reasoning that reaches the budget is

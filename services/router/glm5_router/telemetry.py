@@ -120,6 +120,8 @@ class Telemetry:
         self.tokens = Counter("glm5_router_tokens", "Tokens by type", ["type"], registry=r)
         self.requests = Counter("glm5_router_requests", "Finished requests by outcome", ["outcome"], registry=r)
         self.retries = Counter("glm5_router_retries", "Requests retried on another worker", registry=r)
+        self.tool_call_errors = Counter("glm5_router_tool_call_errors", "Tool calls refused (never passed on as "
+                                        "calls or as content), by reason", ["reason"], registry=r)  # fmt: skip
         self.dispatch_failures = Counter("glm5_router_dispatch_failures", "Errors while dispatching (each failed "
                                          "one request, or one round of the dispatch loop)", registry=r)  # fmt: skip
         self.transitions = Counter("glm5_router_breaker_transitions", "Breaker state changes", ["worker", "to"],

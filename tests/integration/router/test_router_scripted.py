@@ -440,3 +440,41 @@ def test_stream_interval_default_trades_messages_for_throughput(tmp_path: Path) 
     finally:
         stop(router)
         stop(worker)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lone_close_and_stray_tool_markup_never_reach_the_content(stack: dict[str, Any], client: openai.OpenAI,
+                                                                    stream: bool) -> None:  # fmt: skip
+    """Issue 34: `... = 52</think>The answer is 52.` came back as content with the tag in it, and a broken call's
+    `<arg_value>...</tool_call>` as content with no tool_calls. Now: reasoning, then the answer; a refused call in
+    tool_call_errors, counted in /metrics."""
+
+    def ask(prompt: str, **kw: Any) -> tuple[str, str, list[Any]]:
+        messages: Any = [{"role": "user", "content": prompt}]
+        if not stream:
+            m = client.chat.completions.create(model="glm5-scripted", messages=messages, **kw).choices[0].message
+            extra = m.model_extra or {}
+            return extra.get("reasoning_content") or "", m.content or "", extra.get("tool_call_errors") or []
+        reasoning, content, errors = "", "", []
+        for chunk in client.chat.completions.create(model="glm5-scripted", messages=messages, stream=True, **kw):
+            if chunk.choices:
+                d = chunk.choices[0].delta
+                extra = d.model_extra or {}
+                reasoning += extra.get("reasoning_content") or ""
+                content += d.content or ""
+                errors += extra.get("tool_call_errors") or []
+        return reasoning, content, errors
+
+    assert ask("LONECLOSE") == (" + 30 + 30 = 52", "The answer is 52.", [])
+    before = _tool_call_errors(stack)
+    _, content, errors = ask("STRAY", tools=[WEATHER])
+    assert content == "The answer is * 51151" and not any(t in content for t in ("arg_", "tool_call"))
+    assert len(errors) == 1 and "outside a <tool_call>" in errors[0]["error"]
+    assert _tool_call_errors(stack) == before + 1
+
+
+def _tool_call_errors(stack: dict[str, Any]) -> float:
+    with urllib.request.urlopen(stack["base"].removesuffix("/v1") + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('glm5_router_tool_call_errors_total{reason="malformed"}'))  # fmt: skip

@@ -9,8 +9,8 @@ from glm5.parsing.tools import ShellPolicy, ToolCall, ToolCallError, ToolCallPar
 TEXT = "<think>Let me add: 2 + 2 = 4.</think>The answer is 4."
 
 
-def _run(chunks: list[str], in_reasoning: bool = False) -> tuple[str, str]:
-    p = ReasoningParser(in_reasoning)
+def _run(chunks: list[str], in_reasoning: bool = False, lone_close: bool = False) -> tuple[str, str]:
+    p = ReasoningParser(in_reasoning, lone_close=lone_close)
     reasoning, content = [], []
     for c in chunks:
         s = p.feed(c)
@@ -194,3 +194,65 @@ def test_tool_choice_grammar_only_admits_calls_the_registry_accepts() -> None:
                 assert name is None or call.name == name
     with pytest.raises(ValueError, match="no tool named"):
         registry.call_grammar("nope", ids)  # type: ignore[arg-type]
+
+
+LONE = " + 30 + 30 = 52</think>The answer is 52."  # the demo model after a prompt that closed its think block
+
+
+@pytest.mark.parametrize("cut", range(len(LONE) + 1))
+def test_text_before_a_lone_close_is_reasoning(cut: int) -> None:
+    """Chat (issue 34: `</think>` reached the client at the start of the answer): streamed in any two pieces,
+    char by char, or whole, the same split; a later lone close is dropped; without a tag the text is content."""
+    expected = (" + 30 + 30 = 52", "The answer is 52.")
+    assert _run([LONE[:cut], LONE[cut:]], lone_close=True) == expected
+    assert _run(list(LONE), lone_close=True) == expected
+    assert _run(["<think>a</think>b</think>c"], lone_close=True) == ("a", "bc")
+    assert _run(list("just an answer"), lone_close=True) == ("", "just an answer")
+    assert _run([LONE]) == ("", LONE)  # raw completions keep the model's text as it wrote it
+
+
+def test_a_lone_close_far_into_the_answer_does_not_make_it_reasoning() -> None:
+    """Only the first 512 characters wait for a lone close; past them the text is content however it arrives."""
+    text = "x" * 600 + "</think>y"
+    assert _run([text], lone_close=True) == _run(list(text), lone_close=True) == ("", "x" * 600 + "y")
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}  # fmt: skip
+
+
+def _calls(chunks: list[str], tools: list[dict[str, object]] | None) -> tuple[str, list[ToolCall | ToolCallError]]:
+    p = ToolCallParser(ToolRegistry.from_openai(tools))  # type: ignore[arg-type]
+    content, results = [], []
+    for c in chunks:
+        text, done = p.feed(c)
+        content.append(text)
+        results += done
+    text, done = p.finish()
+    return "".join(content) + text, results + done
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_tool_markup_outside_a_call_is_a_refused_call_never_content(chunked: bool) -> None:
+    """Issue 34: a broken call (`<arg_value>...</tool_call>` with no `<tool_call>`) reached the client as content."""
+    cases = [
+        ("The answer is * 5", "1151</arg_value><arg_key>b</arg_key><arg_value>2</arg_value></tool_call>"),
+        (
+            "ok ",
+            "</tool_call> then <tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key>"
+            "<arg_value>2</arg_value></tool_call> done",
+        ),
+        ("", "<arg_key>a</arg_key><arg_value>1"),  # unclosed, at the end
+    ]
+    for head, tail in cases:
+        chunks = list(head + tail) if chunked else [head + tail]
+        content, results = _calls(chunks, [ADD])
+        assert not any(t in content for t in ("<arg_", "</arg_", "tool_call>")), content
+        errors = [r for r in results if isinstance(r, ToolCallError)]
+        assert errors and errors[0].reason == "malformed" and "outside a <tool_call>" in errors[0].error
+    assert [r.arguments for r in _calls([cases[1][0] + cases[1][1]], [ADD])[1] if isinstance(r, ToolCall)] == [
+        {"a": 1, "b": 2}
+    ]  # the real call after the stray tag still counts
+    content, results = _calls(["Sure. <tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"], None)
+    assert content == "Sure. " and [r.reason for r in results if isinstance(r, ToolCallError)] == ["unknown_tool"]
+    assert _calls(["plain < text <b>bold</b>"], [ADD]) == ("plain < text <b>bold</b>", [])

@@ -254,7 +254,8 @@ class OpenAIServer:
         user = fields.get(body, "user", str)
         session = text_header(request, "X-Session-Id") or (check_id("user", user) if user else None)
         rid = text_header(request, "X-Request-Id") or f"req-{uuid.uuid4().hex}"
-        return GenerateInput(base=base, request_id=rid, session_id=session, thinking=fields.thinking(body))
+        return GenerateInput(base=base, request_id=rid, session_id=session, thinking=fields.thinking(body),
+                             streamed=fields.get(body, "stream", bool, False))  # fmt: skip
 
     def _fan_out(self, inp: GenerateInput, n: int) -> list[GenerateInput]:
         """One input per choice: ids `<id>-<i>`, a seeded request's seed + i (choices differ, reproducibly)."""

@@ -33,6 +33,8 @@ class Job:
     done: bool = False
     queued: bool = False
     reasoning_budget: int | None = None  # light thinking: close <think> after this many tokens
+    hide_reasoning: bool = False  # thinking off for a model that reasons anyway: its reasoning is not returned
+    lone_close_hold: int = 0  # characters of output that wait to see whether a lone </think> makes them reasoning
     failed_on: set[str] = field(default_factory=set)  # workers that failed it (avoided on retry)
     trace_context: Any = None  # the request's server span, parent of the worker-call spans (passed, not current)
 
