@@ -23,6 +23,7 @@ from glm5.security import (
     internal_token_from_args,
     tls_from_args,
 )
+from glm5.serving import add_connection_arguments, connection_limits_from_args
 from glm5.units import parse_bytes
 
 from glm5_worker.config import EngineConfig
@@ -108,6 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s,
                    help="seconds the ranks wait for each other to start and to load their shards")  # fmt: skip
     add_tls_arguments(p)
+    add_connection_arguments(p)
     add_internal_token_arguments(p, server=True)
     add_admin_arguments(p)
     p.add_argument("--health-port", type=int, help="also answer gRPC health checks in plain text on this port "
@@ -170,7 +172,14 @@ def security_from_args(a: argparse.Namespace) -> ServerSecurity:
     if root is not None and root.exists() and not root.is_dir():
         raise ConfigError(f"--weights-root {root} is not a directory")
     # a root that does not exist yet is fine: a volume may be mounted, or a trainer create it, later
-    return ServerSecurity(tls_from_args(a), admin_policy_from_args(a), root, a.health_port, internal_token_from_args(a))
+    return ServerSecurity(
+        tls_from_args(a),
+        admin_policy_from_args(a),
+        root,
+        a.health_port,
+        internal_token_from_args(a),
+        connection_limits_from_args(a),
+    )
 
 
 def run(a: argparse.Namespace) -> None:

@@ -25,7 +25,14 @@ from glm5.security import (
     is_loopback,
     rejecting,
 )
-from glm5.serving import freeze_heap, new_server, start_health_server, start_serving
+from glm5.serving import (
+    DEFAULT_CONNECTIONS,
+    ConnectionLimits,
+    freeze_heap,
+    new_server,
+    start_health_server,
+    start_serving,
+)
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
@@ -94,6 +101,7 @@ class ServerSecurity:
     weights_root: Path | None = None
     health_port: int | None = None  # plain-text health checks on their own port (for probes, when TLS is on)
     internal_token: Secret | None = None
+    connections: ConnectionLimits = DEFAULT_CONNECTIONS  # what one connection to the worker may hold
 
 
 @dataclass(slots=True)
@@ -133,7 +141,9 @@ async def start_worker(
     gate = LoadingGate()
     # the internal token first: a call without it is refused before anything else looks at it
     token = [InternalTokenInterceptor(security.internal_token)] if security.internal_token is not None else []
-    server = new_server([*token, gate, RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)])
+    server = new_server(
+        [*token, gate, RequestIdInterceptor(), AdminInterceptor(ADMIN_METHODS, security.admin)], security.connections
+    )
     clear_staging(security.weights_root)
     service = WorkerService(engine, security.weights_root)
 
