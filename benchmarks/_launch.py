@@ -24,7 +24,7 @@ from tests.helpers.procs import free_port, wait_serving
 
 ADMIN_ENV = "GLM5_BENCH_ADMIN_TOKEN"  # the environment variables the tokens travel in (their flags name them)
 INTERNAL_ENV = "GLM5_BENCH_INTERNAL_TOKEN"
-COMPILE_HINT = "a worker compiles its decode steps before it serves (minutes on a cold cache); --enforce-eager skips it"
+COMPILE_HINT = "a worker compiles its decode steps at start-up (minutes on a cold cache); --enforce-eager skips it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +86,27 @@ def start(args: Sequence[str], tokens: Tokens, log: Path, timeout_s: float, cpus
         raise RuntimeError(f"{what or args[0]} on {target}: {exc}{hint}; the end of its log ({log}):\n"
                            f"{tail(log)}") from None  # fmt: skip
     return Started(proc, target, time.monotonic() - begin, log)
+
+
+# what a worker logs once its decode steps run compiled, or once it has given up compiling (glm5_worker.engine):
+# it serves eagerly meanwhile (since 5d0a68b), and the compile takes its CPU from whatever runs beside it
+COMPILED = ("decode steps now run compiled", "no compiled decode steps")
+
+
+def wait_compiled(worker: Started, timeout_s: float) -> tuple[float, str]:
+    """Until the worker's log says its decode steps run compiled (or never will): (seconds since it served, that
+    line). Fails with the end of its log after `timeout_s`."""
+    begin = time.monotonic()
+    while time.monotonic() - begin < timeout_s:
+        for line in worker.log.read_text(errors="replace").splitlines():
+            if any(marker in line for marker in COMPILED):
+                return time.monotonic() - begin, line.split(": ", 1)[-1]
+        if worker.proc.poll() is not None:
+            raise RuntimeError(f"the worker on {worker.target} exited with {worker.proc.returncode} while compiling; "
+                               f"the end of its log ({worker.log}):\n{tail(worker.log)}")  # fmt: skip
+        time.sleep(0.5)
+    raise RuntimeError(f"the worker on {worker.target} did not finish compiling its decode steps in {timeout_s:.0f} s "
+                       f"({COMPILE_HINT}); the end of its log ({worker.log}):\n{tail(worker.log)}")  # fmt: skip
 
 
 def tail(log: Path, lines: int = 20) -> str:
