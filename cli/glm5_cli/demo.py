@@ -32,6 +32,7 @@ from glm5_trainer.environment import (
     tool_problems,
 )
 from glm5_trainer.sft import train
+from glm5_trainer.tool_family import evaluation_sets
 from glm5_trainer.tool_sft import finetune
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
@@ -182,8 +183,15 @@ def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, 
         final = work / "tools"
         _, held_out = tool_problems(held_out=a.held_out, seed=a.seed)
         e = tools["evaluation"] = play_offline(final, "tools", held_out)
+        if tools["variant_share"]:  # and on tools written in ways it never saw (glm5_trainer.tool_family)
+            tools["evaluation_variants"] = {
+                name: play_offline(final, "tools", problems, max_new_tokens=64, max_model_len=2048)
+                for name, problems in evaluation_sets().items()
+            }
         meta[_stage_key(meta, "tools_sft")] = tools
         _report("tool SFT", e)
+        for name, v in tools.get("evaluation_variants", {}).items():
+            _report(f"tool SFT ({name})", v)
     if not a.tool_rl_steps:
         return final
     tool_rl = _rl(final, work / "rl-tools", a.tool_rl_steps, a.tool_rl_lr, a, env="tools")

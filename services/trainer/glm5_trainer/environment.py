@@ -52,6 +52,7 @@ class Problem:
     messages: tuple[dict[str, str], ...]
     answer: str
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI-style function tools offered with the problem
+    thinking: bool = True  # False: asked with thinking off (the chat template's empty <think></think> turns)
 
 
 @dataclass(slots=True)
@@ -69,7 +70,8 @@ class Outcome:
 
 def prompt_ids(tok: Tokenizer, p: Problem) -> list[int]:
     """The problem as the model sees it: its messages (and tools, if it offers any) through the chat template."""
-    return tok.encode_chat(list(p.messages), PROMPT_TOKEN_LIMIT, tools=list(p.tools) or None, enable_thinking=True)[0]
+    return tok.encode_chat(list(p.messages), PROMPT_TOKEN_LIMIT, tools=list(p.tools) or None,
+                           enable_thinking=p.thinking)[0]  # fmt: skip
 
 
 async def read_turn(stream: AsyncIterator[Any]) -> tuple[list[int], bool]:
@@ -111,7 +113,10 @@ CALCULATOR_TOOLS: tuple[dict[str, Any], ...] = (
     _integer_tool("add", "Add two integers."),
     _integer_tool("multiply", "Multiply two integers."),
 )
-CALCULATOR = {"add": lambda a, b: a + b, "multiply": lambda a, b: a * b}
+# by tool name, the names tool_family's tools take; called with the operands in the order the call gives them
+# (the parameter names vary)
+CALCULATOR: dict[str, Callable[..., Any]] = {name: (lambda a, b: a + b) for name in ("add", "sum", "add_numbers")}
+CALCULATOR |= {name: (lambda a, b: a * b) for name in ("multiply", "product", "mul", "multiply_numbers")}
 
 
 @dataclass
@@ -134,7 +139,7 @@ class ToolUse(ExactAnswer):
         if fn is None:
             return f"error: the environment has no implementation of {call.name!r}"
         try:
-            return str(fn(**call.arguments))
+            return str(fn(*call.arguments.values()))
         except (TypeError, ValueError) as exc:  # a dataset's own tool of that name with other parameters
             return f"error: {exc}"
 
@@ -180,7 +185,7 @@ class ToolUse(ExactAnswer):
             for i, c in enumerate(responses):
                 context += tok.encode(("" if i == 0 and observed else OBSERVATION) + "\n<tool_response>")
                 context += tok.encode_literal(c) + tok.encode("</tool_response>")
-            context += tok.encode("<|assistant|>\n")
+            context += tok.encode("<|assistant|>\n" + ("" if p.thinking else "<think></think>"))
         good = out.calls > 0 and not out.unknown and not out.malformed
         out.reward = (float(out.correct) + (self.call_bonus if good else 0.0) - self.unknown_penalty * out.unknown
                       - self.malformed_penalty * out.malformed)  # fmt: skip

@@ -39,22 +39,38 @@ import torch
 from glm5.errors import ConfigError
 from glm5.tokenizer.tokenizer import Tokenizer
 
-from glm5_trainer.environment import OBSERVATION, Problem, prompt_ids, tool_problems
+from glm5_trainer.environment import CALCULATOR_TOOLS, OBSERVATION, Problem, prompt_ids, tool_problems
 from glm5_trainer.sft import encode as addition_example
 from glm5_trainer.sft import split_pairs, train_step
+from glm5_trainer.tool_family import OPERATION_OF, calculation, held_out_pair, sample
 
 TOOL_OF = {"*": "multiply", "+": "add"}
 
 
 def tool_turns(p: Problem) -> tuple[str, str, str]:
-    """(the model's call turn, the tool message the environment splices in, the model's answer turn)."""
-    a, op, b = p.messages[-1]["content"].removeprefix("What is ").removesuffix("?").split()
-    tool = TOOL_OF[op]
-    call = (f"<think>{a} {op} {b}: {tool}</think><tool_call>{tool}<arg_key>a</arg_key><arg_value>{a}</arg_value>"
-            f"<arg_key>b</arg_key><arg_value>{b}</arg_value></tool_call>{OBSERVATION}")  # fmt: skip
+    """(the model's call turn, the tool message the environment splices in, the model's answer turn). The call
+    goes to the offered tool that computes the question's operation, its arguments in the order the tool's schema
+    lists its parameters; with thinking off (`p.thinking`) the prompt ends in an empty thinking block and the
+    turn is the call alone."""
+    a, op, b = calculation(p)
+    fn = (
+        next(t["function"] for t in p.tools if OPERATION_OF.get(t["function"]["name"]) == op)
+        if p.tools
+        else {"name": TOOL_OF[op], "parameters": CALCULATOR_TOOLS[0]["function"]["parameters"]}
+    )  # a drill's problem
+    first, second = fn["parameters"]["properties"]
+    think = f"<think>{a} {op} {b}: {fn['name']}</think>" if p.thinking else ""
+    call = (f"{think}<tool_call>{fn['name']}<arg_key>{first}</arg_key><arg_value>{a}</arg_value>"
+            f"<arg_key>{second}</arg_key><arg_value>{b}</arg_value></tool_call>{OBSERVATION}")  # fmt: skip
     result = f"\n<tool_response>{p.answer}</tool_response><|assistant|>\n"
     answer = f"<think></think>The answer is **{p.answer}**."
+    if not p.thinking:  # the chat template opens the answer turn with the empty thinking block, as the prompt
+        result, answer = result + "<think></think>", answer.removeprefix("<think></think>")
     return call, result, answer
+
+
+def _op_first(c: tuple[int, str, int]) -> tuple[str, int, int]:
+    return c[1], c[0], c[2]
 
 
 def _episode(tok: Tokenizer, p: Problem, prompt: list[int], call_loss: bool) -> tuple[list[int], list[int]]:
@@ -84,13 +100,25 @@ def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
     return prompt + answer, [-100] * len(prompt) + answer
 
 
+def _save(model: torch.nn.Module, base: Path, out: Path) -> None:
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((base / name).read_bytes())
+
+
 def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_batch: int = 48, lr: float = 1e-3,
              tool_share: float = 0.5, small_share: float = 0.25, json_share: float = 0.15, held_out: int = 500,
-             drill_share: float = 0.0, index_topk: int | None = 1024, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+             drill_share: float = 0.0, index_topk: int | None = 1024, variant_share: float = 0.0,
+             thinking_off_share: float = 0.0, checkpoint_every: int = 0, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Fine-tunes the checkpoint `base` (the addition model, with its tokenizer) into `out`; returns what
     training.json records. `tool_share`: the share of steps on traces; `small_share`: the share of an addition
     batch drawn from single-digit sums; `json_share`: the share answered in JSON; `drill_share`: the share of the
-    tool steps that are answer drills (`drill`).
+    tool steps that are answer drills (`drill`); `variant_share`: the share of the tool steps' problems drawn from
+    tool_family's training problems (varied tool definitions, phrasings, operands of 1-4 digits) instead of the
+    training format's (environment.tool_problems), and then none of tool_family's held-out operand pairs;
+    `thinking_off_share`: the share of those asked with thinking off; `checkpoint_every` (0: never): also save
+    the model every so many steps, to `out/checkpoints/stepN`.
 
     `index_topk` (None: the base's) replaces the checkpoint's: a trace is ~550 tokens, past the tiny preset's
     top-k of 256, and transformers' indexer runs without gradients (DSA trains it apart, by distillation from
@@ -109,19 +137,30 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
         config.index_topk = index_topk
     model = GlmMoeDsaForCausalLM.from_pretrained(base, config=config, dtype=torch.float32)
     model.train()
-    tools_train, _ = tool_problems(held_out=held_out, seed=seed)
+    tools_train, tools_held_out = tool_problems(held_out=held_out, seed=seed)
+    if variant_share > 0:  # tool_family's held-out pairs are never trained on
+        tools_train = [p for p in tools_train if not held_out_pair(*_op_first(calculation(p)))]
+    exclude = frozenset(p.id for p in tools_held_out)
     pairs, _ = split_pairs(99, held_out, seed)
     small = [(a, b) for a, b in pairs if a < 10 and b < 10]
     rng = random.Random(seed)
+
+    def tool_batch_of(n: int) -> list[Problem]:
+        if not variant_share:  # the training format only, drawn as before
+            return rng.sample(tools_train, n)
+        thinking = [rng.random() >= thinking_off_share for _ in range(n)]
+        return [rng.choice(tools_train) if rng.random() >= variant_share else
+                sample(rng, thinking=t, exclude=exclude) for t in thinking]  # fmt: skip
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     start, losses = time.perf_counter(), {"tools": [0.0], "drill": [0.0], "addition": [0.0]}
     for step in range(steps):
         if rng.random() < tool_share:
             if rng.random() < drill_share:
-                kind, items = "drill", [drill(tok, p) for p in rng.sample(tools_train, addition_batch)]
+                kind, items = "drill", [drill(tok, p) for p in tool_batch_of(addition_batch)]
             else:
-                kind, items = "tools", [trace(tok, p) for p in rng.sample(tools_train, tool_batch)]
+                kind, items = "tools", [trace(tok, p) for p in tool_batch_of(tool_batch)]
         else:
             n_small = round(addition_batch * small_share)
             chosen = rng.sample(small, min(n_small, len(small))) + rng.sample(pairs, addition_batch - n_small)
@@ -135,13 +174,14 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
             recent = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
             shown = "  ".join(f"{k} {v:.4f}" for k, v in recent.items())
             print(f"step {step:5d}  loss {shown}  {time.perf_counter() - start:6.0f}s", flush=True)
-    model.eval()  # type: ignore[no-untyped-call]
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out / name).write_bytes((base / name).read_bytes())
+        if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            _save(model, base, out / "checkpoints" / f"step{step + 1}")
+            model.train()
+    _save(model, base, out)
     final = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
     return {"task": "tools", "base": str(base), "steps": steps, "tool_batch": tool_batch,
             "addition_batch": addition_batch, "learning_rate": lr, "tool_share": tool_share,
             "small_share": small_share, "json_share": json_share, "drill_share": drill_share, "held_out": held_out,
-            "index_topk": model.config.index_topk, "seed": seed,
+            "index_topk": model.config.index_topk, "variant_share": variant_share,
+            "thinking_off_share": thinking_off_share, "seed": seed,
             "final_loss": final, "train_seconds": time.perf_counter() - start}  # fmt: skip
