@@ -3,9 +3,11 @@ problems (multi-turn: the model calls `add` / `multiply`, the environment answer
 held-out plain additions (no tools), greedy, played on our own engine in this process (glm5_cli.demo.
 play_offline). Prints, per model: final-answer accuracy on both sets, tool-call validity (parsed, registered,
 schema-valid calls over all calls), calls to unregistered tools, malformed calls, mean turns, and the answers
-to the README's first questions.
+to the README's first questions. `--variants` adds glm5_trainer.tool_family's evaluation sets: tools written
+in ways training never saw, per operand size (1-2, 3, 4 digits, and all of them), with thinking off, and README's
+tools without `additionalProperties`.
 
-Usage: python benchmarks/agentic_eval.py --model DIR [--model DIR ...] [--limit N]
+Usage: python benchmarks/agentic_eval.py --model DIR [--model DIR ...] [--limit N] [--variants] [--smoke]
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from glm5.model.presets import SHIPPED_MODEL
 from glm5_cli.demo import play_offline
 from glm5_trainer.environment import Problem, builtin_problems, tool_problems
+from glm5_trainer.tool_family import evaluation_sets
 
 FIRST_QUESTIONS = [(1, 1), (1, 2), (2, 2), (12, 30)]
 
@@ -33,7 +37,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, action="append", help="checkpoint (repeatable; default: the shipped one)")
     p.add_argument("--limit", type=int, help="problems per set (default: all 500)")
+    p.add_argument("--variants", action="store_true", help="also the held-out tool variants (tool_family)")
+    p.add_argument("--smoke", action="store_true", help="8 problems per set, the variants too: checks the path only")
     a = p.parse_args()
+    if a.smoke:
+        a.limit, a.variants = 8, True
     _, tools_held_out = tool_problems()
     _, additions_held_out = builtin_problems()
     print("| model | set | problems | accuracy | tool-call validity | unknown calls | malformed | mean turns | s |")
@@ -47,6 +55,34 @@ def main() -> None:
                   f"{s['unknown_tool_calls']} | {s['malformed_tool_calls']} | {s['mean_turns']:.2f} | "
                   f"{time.perf_counter() - start:.0f} |", flush=True)  # fmt: skip
         print(f"| {model.name} | 1+1, 1+2, 2+2, 12+30 | 4 | {first_answers(model)} | | | | | |", flush=True)
+        if a.variants:
+            variants(model, a.limit)
+
+
+def row(model: Path, name: str, s: dict[str, Any], seconds: float) -> None:
+    validity = "-" if s["tool_call_validity"] is None else f"{s['tool_call_validity']:.1%}"
+    print(f"| {model.name} | {name} | {s['problems']} | {s['accuracy']:.1%} | {validity} | {s['unknown_tool_calls']} "
+          f"| {s['malformed_tool_calls']} | {s['mean_turns']:.2f} | {seconds:.0f} |", flush=True)  # fmt: skip
+
+
+def variants(model: Path, limit: int | None) -> None:
+    """The tool_family sets, one row each, then the three operand buckets together."""
+    buckets: list[dict[str, Any]] = []
+    for name, problems in evaluation_sets().items():
+        start = time.perf_counter()
+        s = play_offline(model, "tools", problems[:limit] if limit else problems, max_new_tokens=64, max_model_len=2048)
+        row(model, name, s, time.perf_counter() - start)
+        if "digits" in name:
+            buckets.append(s)
+    n = sum(s["problems"] for s in buckets)
+    calls = sum(s["tool_calls"] for s in buckets)
+    valid = sum(s["tool_calls"] * (s["tool_call_validity"] or 0) for s in buckets)
+    total = {"problems": n, "accuracy": sum(s["accuracy"] * s["problems"] for s in buckets) / n,
+             "tool_call_validity": valid / calls if calls else None,
+             "unknown_tool_calls": sum(s["unknown_tool_calls"] for s in buckets),
+             "malformed_tool_calls": sum(s["malformed_tool_calls"] for s in buckets),
+             "mean_turns": sum(s["mean_turns"] * s["problems"] for s in buckets) / n}  # fmt: skip
+    row(model, "held-out variants, all", total, 0)
 
 
 if __name__ == "__main__":
