@@ -65,6 +65,7 @@ def policy_loss(
     mask: torch.Tensor,  # (N, T) 1 for model tokens
     region: TrustRegion,
     logp_engine_same_weights: torch.Tensor | None = None,  # (N, T) for the IcePop gate
+    tokens: int | None = None,  # the whole batch's model tokens, where these rows are one rank's part of it
 ) -> LossStats:
     mask = mask.bool()
     ratio = torch.exp(logp.detach() - logp_rollout)
@@ -76,6 +77,7 @@ def policy_loss(
         gated = keep & ((mismatch < region.gate[0]) | (mismatch > region.gate[1]))
         keep = keep & ~gated
     per_token = -(ratio * advantages[:, None] * logp)  # ratio carries no gradient: the weight is detached
-    denom = mask.sum().clamp(min=1)  # normalise by all model tokens: masking does not inflate the others
+    # normalise by all model tokens (masking does not inflate the others), the whole batch's on a rank
+    denom = mask.sum().clamp(min=1) if tokens is None else max(tokens, 1)
     loss = (per_token * keep).sum() / denom
     return LossStats(loss, int(keep.sum()), int((mask & low).sum()), int((mask & high).sum()), int(gated.sum()))

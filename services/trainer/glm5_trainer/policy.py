@@ -16,12 +16,13 @@ import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from glm5.errors import ConfigError
 from glm5.v1 import tito_pb2
 
+from glm5_trainer.distributed import World, all_sum, init, shard, split_by_tokens
 from glm5_trainer.loss import TrustRegion, group_advantages, policy_loss
 from glm5_trainer.stability import adaptive_clip, expert_balance_loss, router_entropy_loss, zero_nonfinite_grads
 
@@ -53,6 +54,13 @@ class Batch:
     rollout_logp: torch.Tensor  # (N, T-1)
     rewards: torch.Tensor  # (N,)
     groups: torch.Tensor  # (N,)
+
+    def rows(self, index: list[int]) -> Batch:
+        """The batch's rows `index`, cut to their longest (the group ids stay the whole batch's)."""
+        i = torch.tensor(index, dtype=torch.long)
+        width = int(self.attention[i].sum(dim=1).max())
+        return Batch(self.ids[i, :width], self.attention[i, :width], self.mask[i, : width - 1],
+                     self.rollout_logp[i, : width - 1], self.rewards[i], self.groups[i])  # fmt: skip
 
 
 def make_batch(records: list[tito_pb2.RolloutRecord], vocab_size: int) -> Batch:
@@ -96,6 +104,8 @@ class Policy:
     total_steps: int | None = None  # with a cosine schedule: the learning rate decays to 0 over these steps
     steps_done: int = 0  # a resumed job: the schedule continues where it stopped
     nonfinite: collections.Counter[str] = field(default_factory=collections.Counter)
+    world: World = field(default_factory=World)  # > 1 rank: FSDP2 over the world (glm5_trainer.distributed)
+    dtype: torch.dtype = torch.float32
     _saver: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glm5-state")
     )
@@ -111,8 +121,13 @@ class Policy:
         # recomputed log-probs stop matching the engine's: deterministic kernels for the whole trainer.
         torch.use_deterministic_algorithms(True)
         transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call] # one bar per published version is noise
-        self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+        # torch's grouped matmul (transformers' default for the experts) takes no float64: the tests' dtype
+        extra: dict[str, Any] = {"experts_implementation": "eager"} if self.dtype == torch.float64 else {}
+        self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=self.dtype, **extra)
         self.model.train()
+        if self.world.size > 1:
+            init(self.world, torch.device("cpu"))
+            shard(self.model, torch.device("cpu"))
         self.vocab_size = int(self.model.config.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=0.0,
                                            betas=(0.9, 0.98))  # fmt: skip
@@ -168,6 +183,43 @@ class Policy:
             self.scheduler.load_state_dict(state["scheduler"])
         return True
 
+    def save_checkpoint(self, path: Path, version: int) -> None:
+        """The whole trainer state (weights, AdamW's moments, the schedule, the version) as a
+        torch.distributed.checkpoint directory that every rank writes its own shards of, in parallel; it
+        resumes on any world size (`load_checkpoint`: DCP reshards)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        trainer = {"version": version, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        save({"model": model, "optimizer": optimizer, "trainer": trainer}, checkpoint_id=path)
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Restores a `save_checkpoint` directory written at any world size; returns its version."""
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        # parameters that never had a gradient (the indexer's, outside the autograd graph) have no AdamW state in
+        # the checkpoint, while a fresh optimizer's template has one for every parameter: load what was saved
+        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+        moments = cast(dict[str, Any], optimizer["state"])
+        optimizer["state"] = {k: v for k, v in moments.items() if f"optimizer.state.{k}.step" in saved}
+        trainer: dict[str, Any] = {"version": -1, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "trainer": trainer}
+        load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(strict=False),
+        )  # dcp.load was strict: every key asked for is there
+        if self.scheduler is not None and state["trainer"]["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["trainer"]["scheduler"])
+        return int(state["trainer"]["version"])
+
     def _capture_router(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         logits, _, topk_idx = output
         self._routers.append((logits, topk_idx))
@@ -175,43 +227,63 @@ class Policy:
     def token_logprobs(self, batch: Batch) -> torch.Tensor:
         """(N, T-1) log-probs of each next token under the current weights (with grad)."""
         self._routers.clear()
-        logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits.float()
+        logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least; float64 stays
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         return logp.gather(-1, batch.ids[:, 1:, None]).squeeze(-1)
 
-    def aux_loss(self, batch: Batch) -> torch.Tensor:
-        """Expert-balance + router-entropy terms, averaged over the MoE layers, over real (unpadded) tokens."""
+    def aux_loss(self, batch: Batch, tokens: int | None = None) -> torch.Tensor:
+        """Expert-balance + router-entropy terms, averaged over the MoE layers, over real (unpadded) tokens.
+        On a rank training on part of a batch of `tokens` real tokens: its share (the experts' counts summed
+        over the world first)."""
         if not self._routers:
             return torch.zeros(())
         valid = batch.attention.flatten().bool()
-        total = torch.zeros(())
-        for logits, topk_idx in self._routers:
+        num_experts = self._routers[0][0].shape[-1]
+        counts = torch.stack([torch.bincount(idx[valid].flatten(), minlength=num_experts) for _, idx in self._routers])
+        if self.world.size > 1:
+            torch.distributed.all_reduce(counts)
+        total = torch.zeros((), dtype=self.dtype)
+        for (logits, topk_idx), c in zip(self._routers, counts, strict=True):
             probs = logits[valid].sigmoid()
-            total = total + expert_balance_loss(probs, topk_idx[valid], self.balance_weight)
-            total = total + router_entropy_loss(probs, self.entropy_weight)
+            total = total + expert_balance_loss(probs, topk_idx[valid], self.balance_weight, c, tokens)
+            total = total + router_entropy_loss(probs, self.entropy_weight, tokens)
         return total / len(self._routers)
 
     def step(self, records: list[tito_pb2.RolloutRecord]) -> StepStats:
+        """One update on the whole batch. With several ranks every rank passes the same records and trains on
+        its rows (`split_by_tokens`); advantages, token counts and expert counts are the whole batch's, so the
+        summed gradients and the returned stats are what one process gets."""
         batch = make_batch(records, self.vocab_size)
-        logp = self.token_logprobs(batch)
-        model_tokens = batch.mask.bool()
-        mismatch = float((logp.detach() - batch.rollout_logp).abs()[model_tokens].mean())
+        reward = float(batch.rewards.mean())
         advantages = group_advantages(batch.rewards, batch.groups)
-        stats = policy_loss(logp, batch.rollout_logp, advantages, batch.mask, self.region)
-        aux = self.aux_loss(batch)
-        loss = stats.loss + aux
+        model_tokens, real_tokens = int(batch.mask.sum()), int(batch.attention.sum())
+        weight = 1.0
+        if self.world.size > 1:
+            mine = split_by_tokens([len(r.token_ids) for r in records], self.world.size)[self.world.rank]
+            weight = 1.0 if mine else 0.0  # fewer rows than ranks: a row's forward, for FSDP's collectives
+            batch, advantages = batch.rows(mine or [0]), advantages[torch.tensor(mine or [0])]
+        logp = self.token_logprobs(batch)
+        mine_tokens = batch.mask.bool()
+        mismatch_sum = float((logp.detach() - batch.rollout_logp).abs()[mine_tokens].sum()) * weight
+        stats = policy_loss(logp, batch.rollout_logp, advantages, batch.mask, self.region, tokens=model_tokens)
+        aux = self.aux_loss(batch, real_tokens if self.world.size > 1 else None)
+        loss = (stats.loss + aux) * weight
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
-        loss = loss.detach()
         zeroed = zero_nonfinite_grads(self.model, self.nonfinite)
         clipped = adaptive_clip(self.model, self.clip_factor)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        total, policy, aux_total, mismatch, kept, low, high = all_sum(
+            [float(loss), float(stats.loss) * weight, float(aux) * weight, mismatch_sum,
+             stats.kept * weight, stats.clipped_low * weight, stats.clipped_high * weight]
+        )  # fmt: skip
         return StepStats(
-            loss=loss.item(), policy_loss=stats.loss.item(), aux_loss=aux.item(), reward=float(batch.rewards.mean()),
-            tokens=int(model_tokens.sum()), kept=stats.kept, clipped_low=stats.clipped_low,
-            clipped_high=stats.clipped_high, mismatch=mismatch, nonfinite_grads=zeroed, clipped_tensors=clipped,
+            loss=total, policy_loss=policy, aux_loss=aux_total, reward=reward, tokens=model_tokens, kept=int(kept),
+            clipped_low=int(low), clipped_high=int(high),
+            mismatch=mismatch / max(model_tokens, 1), nonfinite_grads=zeroed, clipped_tensors=clipped,
         )  # fmt: skip
 
     @torch.no_grad()

@@ -1,0 +1,147 @@
+"""The trainer as a torch.distributed program (issue 35): the world it runs in, the policy sharded with FSDP2, a
+batch split over the ranks by tokens, and the collectives that make a sharded step equal to one process's.
+
+The world comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: torchrun,
+a Kubeflow PyTorchJob or an Indexed Job set them). The backend follows the device: gloo on CPU, nccl on CUDA,
+hccl on Ascend (torch_npu is imported only then).
+
+Data parallelism over the FSDP group: every rank holds the whole batch's records (rank 0 receives them and
+broadcasts them), computes the group advantages and the token counts over all of them, and trains on its own
+rows (`split_by_tokens`: similar token counts per rank). Each rank's loss is its rows' share of the whole batch's
+loss (normalised by the global token count), so the sum over ranks is the single-process loss and the gradients
+FSDP reduces (summed: the divide factor is 1) are the single-process gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from glm5.errors import ConfigError
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size or not 0 <= self.local_rank <= self.rank:
+            raise ConfigError(f"rank {self.rank}, local rank {self.local_rank} in a world of {self.size}")
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"master port {self.master_port} is not a port")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> World:
+        """torchrun's variables; a process without them is a world of one."""
+        env = dict(os.environ if env is None else env)
+        if "WORLD_SIZE" not in env:
+            return cls()
+        try:
+            return cls(int(env.get("RANK", "0")), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")))  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(f"torchrun's environment ({', '.join(ENV)}) must hold integers: {exc}") from exc
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that talks to the gateway, the buffer, the engines and the status port."""
+        return self.rank == 0
+
+
+def backend_for(device: torch.device) -> str:
+    if device.type not in BACKENDS:
+        raise ConfigError(f"no collective backend for device {device.type!r} (have: {', '.join(BACKENDS)})")
+    if device.type == "npu":
+        import torch_npu  # noqa: F401  # registers the npu device and hccl; only importable where CANN is
+    return BACKENDS[device.type]
+
+
+def init(world: World, device: torch.device, timeout_s: float = 300.0) -> None:
+    """Joins the process group (a world of one joins too: FSDP2 needs a mesh). `timeout_s` bounds every
+    collective, so a dead rank makes the others fail instead of hang."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend_for(device), init_method=f"tcp://{world.master_addr}:{world.master_port}",
+                            rank=world.rank, world_size=world.size,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def split_by_tokens(lengths: Sequence[int], size: int) -> list[list[int]]:
+    """Row indices per rank with similar token counts: longest rows first, each to the rank with the fewest
+    tokens so far (ties: the lower rank). Deterministic, so every rank computes the same split."""
+    loads: list[int] = [0] * size
+    parts: list[list[int]] = [[] for _ in range(size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(size), key=lambda r: (loads[r], r))
+        parts[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(p) for p in parts]
+
+
+def shard(model: nn.Module, device: torch.device, mixed_precision: bool | None = None) -> nn.Module:
+    """FSDP2 over the whole world: each decoder layer, the embedding and the lm_head are their own units, the
+    rest (final norm) the root's. Parameters stay float32 on CPU; on devices they are gathered in bf16 with
+    fp32 gradient reduction unless `mixed_precision` is False. Gradients are summed, not averaged: each rank's
+    loss is already its share of the batch's."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    use_mp = device.type != "cpu" if mixed_precision is None else mixed_precision
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_mp else None
+    kwargs: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
+    inner = model.get_submodule("model")
+    layers = inner.get_submodule("layers")
+    assert isinstance(layers, nn.ModuleList)
+    units: list[nn.Module] = [inner.get_submodule("embed_tokens"), *layers, model.get_submodule("lm_head")]
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model
+
+
+def all_sum(values: Sequence[float]) -> list[float]:
+    """Sums a few numbers over the world (float64, one collective); in a world of one, the numbers."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter or gradient (the tensor itself when it is not sharded)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_norm(t: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of a whole (possibly sharded) tensor, the same on every rank."""
+    n = torch.linalg.vector_norm(t)
+    return n.full_tensor() if isinstance(n, DTensor) else n
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (what sharding divides by the world)."""
+    params = sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+    grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.parameters() if p.grad is not None)
+    moments = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            moments += sum(local(v).numel() * local(v).element_size() for v in state.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0)  # fmt: skip
+    return {"parameters": params, "gradients": grads, "optimizer": moments}

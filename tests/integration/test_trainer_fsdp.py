@@ -1,0 +1,152 @@
+"""The sharded trainer (issue 35): FSDP2 over gloo ranks, each rank a process started as torchrun starts them
+(tests/helpers/trainer_rank.py). A step on the same batch at world sizes 1, 2 and 4 gives the same weights (the
+batch split by tokens), per-rank state bytes fall as 1/N, a DCP checkpoint saved at 2 ranks resumes at 1 and 4
+to the same weights as an uninterrupted run, and a rank that dies fails every other within the timeout."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from glm5.model.presets import SHIPPED_MODEL
+from glm5.v1 import tito_pb2
+from glm5_trainer.distributed import World, split_by_tokens
+from glm5_trainer.policy import Policy
+
+from tests.helpers.procs import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _batch(policy: Policy, rng: random.Random, n: int, tag: str) -> list[tito_pb2.RolloutRecord]:
+    """Rows of uneven lengths (7-41 tokens), model tokens after a prompt, rewards that differ inside each group
+    of 3, and rollout log-probs near the policy's own (inside the trust region, not equal to it)."""
+    records = []
+    for i in range(n):
+        length, prompt = rng.randint(7, 41), rng.randint(3, 6)
+        ids = [rng.randrange(policy.vocab_size) for _ in range(length)]
+        records.append(tito_pb2.RolloutRecord(
+            rollout_id=f"{tag}{i}", group_id=f"{tag}g{i // 3}", token_ids=ids,
+            loss_mask=[0] * prompt + [1] * (length - prompt), logprobs=[0.0] * length,
+            token_versions=[0] * length, turn_versions=[0], reward=float(rng.random() < 0.5) + 0.1 * (i % 3),
+        ))  # fmt: skip
+    for r, logp in zip(records, policy.recompute(records), strict=True):
+        prompt = list(r.loss_mask).index(1)
+        r.logprobs[prompt:] = [min(x + rng.uniform(-0.05, 0.05), 0.0) for x in logp]
+    return records
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    policy = Policy(SHIPPED_MODEL, dtype=torch.float64)
+    rng = random.Random(7)
+    path = tmp_path_factory.mktemp("records") / "records.pt"
+    # 11 rows: the ranks of 2 and 4 get different numbers of rows and tokens
+    torch.save([[r.SerializeToString() for r in _batch(policy, rng, 11, t)] for t in "ab"], path)
+    return path
+
+
+def _run(world: int, records: Path, out: Path, *extra: str, timeout: float = 300) -> list[int]:
+    """Starts `world` ranks with torchrun's variables; returns their exit codes (fails on a hang)."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+        if world == 1:
+            env.pop("WORLD_SIZE")  # a plain process: the unsharded policy, the reference
+        argv = [sys.executable, "-m", "tests.helpers.trainer_rank", "--model", str(SHIPPED_MODEL),
+                "--records", str(records), "--out", str(out), *extra]  # fmt: skip
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env))
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = torch.load(out / "weights.pt", weights_only=True)
+    return weights
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _ranks(out: Path, world: int) -> list[dict[str, Any]]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def test_split_by_tokens_balances_ranks_deterministically() -> None:
+    lengths = [41, 7, 30, 12, 12, 25, 9, 40, 18]
+    parts = split_by_tokens(lengths, 4)
+    assert sorted(i for p in parts for i in p) == list(range(9))
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(lengths) and parts == split_by_tokens(lengths, 4)
+    assert split_by_tokens([5], 3) == [[0], [], []]
+    assert World.from_env({}) == World() and World.from_env({"WORLD_SIZE": "4", "RANK": "3"}).rank == 3
+
+
+def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as_1_over_n(
+    records: Path, tmp_path: Path
+) -> None:
+    start = Policy(SHIPPED_MODEL, dtype=torch.float64).model.state_dict()
+    results = {}
+    for world in (1, 2, 4):
+        assert _run(world, records, tmp_path / str(world)) == [0] * world
+        results[world] = (_weights(tmp_path / str(world)), _ranks(tmp_path / str(world), world))
+    one, ranks_one = results[1]
+    moved = _max_diff(one, {k: v.to(torch.float64) for k, v in start.items()})
+    assert moved > 1e-4  # the step changed the weights: the comparison below is not of two untouched models
+    total = sum(ranks_one[0]["bytes"].values())
+    # float64, but transformers computes norms, attention softmax and the MoE router in float32 whatever the
+    # dtype, so rows batched differently differ by float32 rounding there (seen: 6e-10 in weights, 4e-9 in loss)
+    for world in (2, 4):
+        weights, ranks = results[world]
+        assert _max_diff(weights, one) <= 1e-8, world
+        s, s1 = ranks[0]["stats"][0], ranks_one[0]["stats"][0]
+        assert (
+            abs(s.loss - s1.loss) <= 1e-7
+            and abs(s.policy_loss - s1.policy_loss) <= 1e-9
+            and (s.tokens, s.kept) == (s1.tokens, s1.kept)
+        )
+        per_rank = [sum(r["bytes"].values()) for r in ranks]
+        assert max(per_rank) <= 1.1 * total / world, (world, per_rank, total)
+
+
+def test_a_checkpoint_saved_at_2_ranks_resumes_at_1_and_4_like_an_uninterrupted_run(
+    records: Path, tmp_path: Path
+) -> None:
+    assert _run(1, records, tmp_path / "straight", "--steps", "2") == [0]
+    straight = _weights(tmp_path / "straight")
+    ckpt = tmp_path / "ckpt"
+    assert _run(2, records, tmp_path / "first", "--steps", "1", "--save-after", "1", "--checkpoint", str(ckpt)) == [
+        0,
+        0,
+    ]
+    assert (ckpt / ".metadata").is_file() and len(list(ckpt.glob("*.distcp"))) == 2  # every rank wrote its part
+    for world in (1, 4):
+        # the second batch after resuming: records hold [a, b]; a resumed run's step 0 trains on b
+        out = tmp_path / f"resumed{world}"
+        assert _run(world, records, out, "--steps", "2", "--resume", str(ckpt), "--skip-steps", "1") == [0] * world
+        # the issue's 1e-6: Adam's second step amplifies the float32 rounding above (2e-8 seen); a lost or
+        # misplaced moment would move weights by ~the learning rate (1e-3)
+        assert _max_diff(_weights(out), straight) <= 1e-6, world
+
+
+def test_a_rank_that_dies_fails_every_other_rank_within_the_timeout(records: Path, tmp_path: Path) -> None:
+    start = time.monotonic()
+    codes = _run(3, records, tmp_path / "dead", "--die-at-step", "0", "--timeout", "20", timeout=120)
+    assert codes[1] == 3 and all(c != 0 for c in codes), codes
+    assert time.monotonic() - start < 100
