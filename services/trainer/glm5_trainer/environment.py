@@ -160,7 +160,7 @@ class ToolUse(ExactAnswer):
             for r in results:
                 if isinstance(r, ToolCall):
                     out.calls += 1
-                elif r.name not in registry.tools:
+                elif r.reason == "unknown_tool":  # stray markup has no registered name either: malformed
                     out.unknown += 1
                 else:
                     out.malformed += 1

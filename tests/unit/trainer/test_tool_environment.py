@@ -175,3 +175,9 @@ def test_answer_drills_train_the_copy_only_and_keep_the_number_split_of_the_tool
         start = TOK.encode(answer).index(number[0], 4)
         assert TOK.encode(answer)[start : start + len(number)] == number
         assert ToolUse().reward(p, answer) == 1.0  # the bold answer is judged right
+
+
+def test_stray_call_markup_is_a_malformed_call_not_an_unknown_tool() -> None:
+    # the argument markup without its <tool_call>: what the model wrote on tools it had not seen (issue 34, 7)
+    out, _ = play(["The answer is * 51151</arg_value><arg_key>b</arg_key><arg_value>3</arg_value><|endoftext|>"])
+    assert (out.calls, out.unknown, out.malformed) == (0, 0, 1)
