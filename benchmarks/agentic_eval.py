@@ -70,7 +70,7 @@ def variants(model: Path, limit: int | None) -> None:
     buckets: list[dict[str, Any]] = []
     for name, problems in evaluation_sets().items():
         start = time.perf_counter()
-        s = play_offline(model, "tools", problems[:limit] if limit else problems, max_new_tokens=64, max_model_len=2048)
+        s = play_offline(model, "tools", problems[:limit] if limit else problems, max_new_tokens=64, max_model_len=8192)
         row(model, name, s, time.perf_counter() - start)
         if "digits" in name:
             buckets.append(s)

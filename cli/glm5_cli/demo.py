@@ -185,7 +185,7 @@ def _tool_stages(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, 
         e = tools["evaluation"] = play_offline(final, "tools", held_out)
         if tools["variant_share"]:  # and on tools written in ways it never saw (glm5_trainer.tool_family)
             tools["evaluation_variants"] = {
-                name: play_offline(final, "tools", problems, max_new_tokens=64, max_model_len=2048)
+                name: play_offline(final, "tools", problems, max_new_tokens=64, max_model_len=8192)
                 for name, problems in evaluation_sets().items()
             }
         meta[_stage_key(meta, "tools_sft")] = tools
