@@ -277,7 +277,7 @@ class Policy:
         if self.scheduler is not None:
             self.scheduler.step()
         total, policy, aux_total, mismatch, kept, low, high = all_sum(
-            [float(loss), float(stats.loss) * weight, float(aux) * weight, mismatch_sum,
+            [float(loss.detach()), float(stats.loss.detach()) * weight, float(aux.detach()) * weight, mismatch_sum,
              stats.kept * weight, stats.clipped_low * weight, stats.clipped_high * weight]
         )  # fmt: skip
         return StepStats(
