@@ -5,7 +5,6 @@ runs against real workers and the TITO gateway in tests/integration/tito/test_to
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -23,6 +22,8 @@ from glm5_trainer.environment import (
     load_problems,
     tool_problems,
 )
+
+from tests.unit.trainer.scripted import play_turns
 
 TOK = Tokenizer(SHIPPED_MODEL)
 PROBLEM = Problem("23*7", ({"role": "user", "content": "What is 23 * 7?"},), "161", CALCULATOR_TOOLS)
@@ -42,13 +43,7 @@ def play(turns: list[str], env: ToolUse | None = None) -> tuple[Outcome, list[li
     prompt = TOK.encode(
         TOK.apply_chat_template(list(PROBLEM.messages), tools=list(PROBLEM.tools), enable_thinking=True)
     )
-    contexts: list[list[int]] = []
-
-    async def generate(context: list[int]) -> tuple[list[int], bool]:
-        contexts.append(list(context))
-        return TOK.encode(turns[len(contexts) - 1]), False
-
-    return asyncio.run(env.play(PROBLEM, prompt, generate, TOK)), contexts
+    return play_turns(PROBLEM, prompt, [TOK.encode(t) for t in turns], TOK, env)
 
 
 def test_a_valid_call_then_the_right_answer() -> None:
@@ -144,14 +139,7 @@ def test_supervised_traces_are_the_episodes_the_environment_plays() -> None:
         call, _, answer = tool_turns(p)
         prompt = TOK.encode(TOK.apply_chat_template(list(p.messages), tools=list(p.tools), enable_thinking=True))
         turns = [TOK.encode(call), TOK.encode(answer) + TOK.eos_token_ids()[:1]]
-        contexts: list[list[int]] = []
-
-        async def generate(context: list[int], turns: list[list[int]] = turns,
-                           contexts: list[list[int]] = contexts) -> tuple[list[int], bool]:  # fmt: skip
-            contexts.append(list(context))
-            return turns[len(contexts) - 1], False
-
-        out = asyncio.run(ToolUse().play(p, prompt, generate, TOK))
+        out, contexts = play_turns(p, prompt, turns, TOK)
         assert out.correct and out.calls == 1 and out.reward == pytest.approx(1.1)
         assert ids == contexts[1] + turns[1]  # the trace is the second turn's context plus the answer
         trained = [t for t, y in zip(ids, labels, strict=True) if y != -100]

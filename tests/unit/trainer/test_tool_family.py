@@ -4,7 +4,6 @@ supervised traces of varied problems (thinking on and off) are the episodes the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 
@@ -15,6 +14,8 @@ from glm5.tokenizer.tokenizer import Tokenizer
 from glm5_trainer import tool_family as tf
 from glm5_trainer.environment import Problem, ToolUse, prompt_ids, tool_problems
 from glm5_trainer.tool_sft import drill, tool_turns, trace
+
+from tests.unit.trainer.scripted import play_turns
 
 TOK = Tokenizer(SHIPPED_MODEL)
 
@@ -109,14 +110,7 @@ def test_traces_of_varied_problems_are_the_episodes_the_environment_plays(thinki
         prompt = prompt_ids(TOK, p)
         assert TOK.decode(prompt).endswith("<|assistant|>\n" + ("" if thinking else "<think></think>"))
         turns = [TOK.encode(call), TOK.encode(answer) + TOK.eos_token_ids()[:1]]
-        contexts: list[list[int]] = []
-
-        async def generate(context: list[int], turns: list[list[int]] = turns,
-                           contexts: list[list[int]] = contexts) -> tuple[list[int], bool]:  # fmt: skip
-            contexts.append(list(context))
-            return turns[len(contexts) - 1], False
-
-        out = asyncio.run(ToolUse().play(p, prompt, generate, TOK))
+        out, contexts = play_turns(p, prompt, turns, TOK)
         assert out.correct and (out.calls, out.unknown, out.malformed) == (1, 0, 0), (p, call)
         assert ids == contexts[1] + turns[1]
         trained = [t for t, y in zip(ids, labels, strict=True) if y != -100]
