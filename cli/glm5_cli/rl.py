@@ -30,6 +30,9 @@ ADMIN_ENV = "GLM5_ADMIN_TOKEN"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="starting checkpoint (default: the shipped demo model)")
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (data-parallel ranks)")
+    p.add_argument("--trainer-nproc", type=int, default=1,
+                   help="trainer ranks (processes): the policy sharded over them with FSDP2, as `glm5 trainer "
+                   "--nproc-per-node N`")  # fmt: skip
     p.add_argument("--out", default="rl-out",
                    help="checkpoints, history.jsonl, summary.json and rl.png; a folder that holds an earlier run "
                    "resumes it (up to --steps in total)")  # fmt: skip
@@ -87,8 +90,8 @@ def run(a: argparse.Namespace) -> None:
     from glm5.model.presets import default_model_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if a.workers < 1:
-        raise ConfigError("--workers must be >= 1")
+    if a.workers < 1 or a.trainer_nproc < 1:
+        raise ConfigError("--workers and --trainer-nproc must be >= 1")
     model = Path(a.model) if a.model else default_model_path()
     python = [sys.executable, "-m", "glm5_cli"]
     out = Path(a.out).resolve()
@@ -125,10 +128,13 @@ def run(a: argparse.Namespace) -> None:
         _step(f"starting the trainer: held-out evaluation, {steps}, evaluation again (the workers' and the "
               f"gateway's logs from now on: {a.out}/logs/)")  # fmt: skip
         logs.echo = False
+        ranks = (
+            ["--nproc-per-node", str(a.trainer_nproc), "--master-port", str(free_port())] if a.trainer_nproc > 1 else []
+        )
         trainer = subprocess.Popen([*python, "trainer", "--policy", str(model), "--gateway", gateway, *engine_flags,
                                     "--checkpoint-dir", str(out), "--environment", a.env, "--mode", a.mode,
                                     "--steps", str(a.steps), "--learning-rate", str(a.learning_rate),
-                                    "--seed", str(a.seed), *redis, *admin, *internal,
+                                    "--seed", str(a.seed), *redis, *admin, *internal, *ranks,
                                     *a.trainer_arg], env=env)  # fmt: skip
         procs.append(trainer)
         code = trainer.wait()

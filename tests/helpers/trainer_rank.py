@@ -3,9 +3,12 @@ MASTER_PORT in the environment) by tests/integration/test_trainer_fsdp.py.
 
     python -m tests.helpers.trainer_rank --model DIR --records FILE --out DIR
         [--steps 1] [--skip-steps N] [--save-after N --checkpoint DIR] [--resume DIR] [--die-at-step N] [--timeout 60]
+        [--publish DIR]
 
 Trains `--steps` steps (float64) on the same records, then writes out/rank{R}.pt: this rank's state bytes and
 the steps' stats; rank 0 also writes out/weights.pt, the full updated weights gathered for the comparison.
+--publish: then every rank publishes actor_synced v1 under DIR together (WeightVersions.publish); a world of
+one also writes transformers' own save_pretrained of the same weights to DIR/hf.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from glm5.v1 import tito_pb2
 from glm5_trainer.distributed import World, init, state_bytes
 from glm5_trainer.policy import Policy
+from glm5_trainer.versions import WeightVersions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 
@@ -33,6 +37,7 @@ def main() -> None:
     p.add_argument("--resume", type=Path)
     p.add_argument("--die-at-step", type=int, default=-1, help="rank 1 exits at the start of this step")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--publish", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
     world = World.from_env()
@@ -50,6 +55,12 @@ def main() -> None:
         stats.append(policy.step(records[step % len(records)]))
         if a.save_after and step + 1 == a.save_after:
             policy.save_checkpoint(a.checkpoint, version=step + 1)
+    if a.publish:
+        versions = WeightVersions(policy.model, a.publish, a.model, sync_every_steps=1)
+        versions.advance()
+        versions.publish()
+        if world.size == 1:
+            policy.model.save_pretrained(a.publish / "hf")
     full = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     a.out.mkdir(parents=True, exist_ok=True)
     torch.save({"bytes": state_bytes(policy.model, policy.optimizer), "stats": stats}, a.out / f"rank{world.rank}.pt")

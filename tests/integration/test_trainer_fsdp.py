@@ -5,6 +5,7 @@ to the same weights as an uninterrupted run, and a rank that dies fails every ot
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -19,6 +20,7 @@ from glm5.model.presets import SHIPPED_MODEL
 from glm5.v1 import tito_pb2
 from glm5_trainer.distributed import World, split_by_tokens
 from glm5_trainer.policy import Policy
+from safetensors.torch import load_file
 
 from tests.helpers.procs import free_port
 
@@ -104,7 +106,8 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
     start = Policy(SHIPPED_MODEL, dtype=torch.float64).model.state_dict()
     results = {}
     for world in (1, 2, 4):
-        assert _run(world, records, tmp_path / str(world)) == [0] * world
+        publish = ("--publish", str(tmp_path / f"published{world}"))
+        assert _run(world, records, tmp_path / str(world), *publish) == [0] * world
         results[world] = (_weights(tmp_path / str(world)), _ranks(tmp_path / str(world), world))
     one, ranks_one = results[1]
     moved = _max_diff(one, {k: v.to(torch.float64) for k, v in start.items()})
@@ -123,6 +126,31 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
         )
         per_rank = [sum(r["bytes"].values()) for r in ranks]
         assert max(per_rank) <= 1.1 * total / world, (world, per_rank, total)
+    _check_published(tmp_path)
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def _check_published(tmp_path: Path) -> None:
+    """actor_synced written by 1, 2 and 4 ranks together is one checkpoint: transformers' save_pretrained
+    layout and names (experts split per expert), the same tensors, an index naming every file the ranks wrote."""
+    hf = _tensors(tmp_path / "published1" / "hf")
+    assert any(".experts.0.gate_proj.weight" in k for k in hf)
+    one = _tensors(tmp_path / "published1" / "actor_synced" / "v000001")
+    assert _max_diff(one, hf) == 0.0
+    for world in (2, 4):
+        folder = tmp_path / f"published{world}" / "actor_synced" / "v000001"
+        files = sorted(f.name for f in folder.glob("*.safetensors"))
+        assert len(files) >= world, files  # about one file per rank
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        assert sorted(set(index["weight_map"].values())) == files and index["weight_map"].keys() == hf.keys()
+        assert _max_diff(_tensors(folder), one) <= 1e-8, world
+        assert {"config.json", "tokenizer.json", "version.json"} <= {f.name for f in folder.iterdir()}
 
 
 def test_a_checkpoint_saved_at_2_ranks_resumes_at_1_and_4_like_an_uninterrupted_run(

@@ -446,22 +446,27 @@ def _load_expert(
     expert_parts.setdefault(f"{prefix}.gate_up_proj{suffix}", set()).add((e, which))
 
 
+def on_disk(name: str, tensor: torch.Tensor, moe_intermediate_size: int) -> dict[str, torch.Tensor]:
+    """One state-dict entry under its on-disk names: stacked experts split per expert (gate and up halves apart),
+    everything else as it is. The same for our model and transformers' (both stack the experts)."""
+    if name.endswith(".experts.gate_up_proj"):
+        prefix = name.removesuffix(".gate_up_proj")
+        out = {}
+        for e in range(tensor.shape[0]):
+            out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :moe_intermediate_size]
+            out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, moe_intermediate_size:]
+        return out
+    if name.endswith(".experts.down_proj"):
+        prefix = name.removesuffix(".down_proj")
+        return {f"{prefix}.{e}.down_proj.weight": tensor[e] for e in range(tensor.shape[0])}
+    return {name: tensor}
+
+
 def checkpoint_state_dict(model: GlmMoeDsaForCausalLM) -> dict[str, torch.Tensor]:
     """The model's tensors under their on-disk names (experts split per expert), contiguous, on CPU."""
     out: dict[str, torch.Tensor] = {}
-    inter = model.config.moe_intermediate_size
     for name, tensor in model.state_dict().items():
-        if name.endswith(".experts.gate_up_proj"):
-            prefix = name.removesuffix(".gate_up_proj")
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :inter]
-                out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, inter:]
-        elif name.endswith(".experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-        else:
-            out[name] = tensor
+        out.update(on_disk(name, tensor, model.config.moe_intermediate_size))
     if model.config.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}

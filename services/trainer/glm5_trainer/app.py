@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
 
 from glm5.errors import ConfigError
@@ -18,7 +20,8 @@ from glm5.security import (
     tls_from_args,
 )
 
-from glm5_trainer.loop import MODES, Result, RLConfig, RLRun
+from glm5_trainer.distributed import World
+from glm5_trainer.loop import MODES, Result, RLConfig, RLRun, open_trainer
 from glm5_trainer.loss import PRESETS, TrustRegion
 from glm5_trainer.status import serve_status
 from glm5_trainer.versions import TRANSPORTS
@@ -79,6 +82,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights-transport", choices=TRANSPORTS, default=d.weights_transport,
                    help="path: the engines read each version from --checkpoint-dir (a volume they share); stream: "
                    "its files are sent to them over gRPC (PushWeights; what the operator uses)")  # fmt: skip
+    r = p.add_argument_group("ranks: torchrun's flags (or run under torchrun / a PyTorchJob, which set RANK, "
+                             "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")  # fmt: skip
+    r.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks on this host (the policy is "
+                   "sharded over all ranks with FSDP2; rank 0 alone runs the loop)")  # fmt: skip
+    r.add_argument("--nnodes", type=int, default=1, help="hosts taking part")
+    r.add_argument("--node-rank", type=int, default=0, help="this host's index (0 hosts the rendezvous)")
+    r.add_argument("--master-addr", default="127.0.0.1", help="address of host 0 (the rendezvous)")
+    r.add_argument("--master-port", type=int, default=29500, help="its rendezvous port")
 
 
 def config_from_args(a: argparse.Namespace) -> RLConfig:
@@ -120,13 +131,56 @@ def report(r: Result) -> str:
             f"{r.final_version} at {r.final_checkpoint}; counters {counters}")  # fmt: skip
 
 
+def launch(a: argparse.Namespace) -> int:
+    """Starts this host's ranks as torchrun does (torch's elastic launcher, static rendezvous at
+    --master-addr:--master-port), each one this same command with torchrun's variables set; when a rank
+    fails the launcher stops the others. Returns the exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=a.nnodes, max_nodes=a.nnodes, nproc_per_node=a.nproc_per_node, run_id="glm5-trainer",
+        rdzv_backend="static", rdzv_endpoint=f"{a.master_addr}:{a.master_port}",
+        rdzv_configs={"rank": a.node_rank, "timeout": 900}, max_restarts=0, monitor_interval=0.5,
+        shutdown_timeout=600,  # SIGTERM: rank 0 finishes its step, publishes and pushes before the ranks exit
+    )  # fmt: skip
+    try:
+        elastic_launch(config, sys.executable)("-m", "glm5_cli", *sys.argv[1:])
+    except ChildFailedError as exc:
+        logging.getLogger(__name__).error("a trainer rank failed: %s", exc.failures)
+        return 1
+    return 0
+
+
+def world_from_args(a: argparse.Namespace) -> World | None:
+    """The world this process is a rank of, or None when it must start the ranks itself (launch)."""
+    if a.nproc_per_node < 1 or a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
+        raise ConfigError("--nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
+    wanted = a.nproc_per_node * a.nnodes
+    if "WORLD_SIZE" not in os.environ:
+        return World() if wanted == 1 else None
+    world = World.from_env()
+    if wanted > 1 and world.size != wanted:
+        raise ConfigError(f"WORLD_SIZE is {world.size} but the flags ask for {a.nnodes} x {a.nproc_per_node} ranks")
+    return world
+
+
 def run(a: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     config = config_from_args(a)
+    world = world_from_args(a)
+    if world is None:
+        sys.exit(launch(a))
+    if not world.leader:
+        # rank 0 decides when to stop (it finishes the step and publishes): a signal here would break that
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        open_trainer(config, world).ranks.follow()
+        return
 
     async def main() -> Result:
-        run = RLRun(config)
+        run = RLRun(config, world)
         for sig in (signal.SIGTERM, signal.SIGINT):  # a deleted pod or Ctrl-C: finish the step, publish, stop
             asyncio.get_running_loop().add_signal_handler(sig, run.request_stop)
         status = await serve_status(a.status_host, a.status_port, run.progress) if a.status_port else None

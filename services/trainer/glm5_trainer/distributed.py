@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
+import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from glm5.errors import ConfigError
+from glm5.model.loader import on_disk
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -112,6 +117,9 @@ def shard(model: nn.Module, device: torch.device, mixed_precision: bool | None =
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # float32 gradients would go out as PREMUL_SUM(1/factor), which gloo does not have (float64 and
+            # other dtypes are summed, then scaled, already)
+            module.set_force_sum_reduction_for_comms(backend_for(device) == "gloo")
     return model
 
 
@@ -145,3 +153,84 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
             moments += sum(local(v).numel() * local(v).element_size() for v in state.values()
                            if isinstance(v, torch.Tensor) and v.dim() > 0)  # fmt: skip
     return {"parameters": params, "gradients": grads, "optimizer": moments}
+
+
+class Commands:
+    """Rank 0 tells the other ranks what to run next: a name and its arguments, pickled and broadcast on a gloo
+    group of its own. Its timeout is the leader's longest silence (evaluations, waits for rollouts), not a
+    collective's: the training collectives keep the world's short one. A leader that dies closes its sockets,
+    and the followers' wait fails at once."""
+
+    def __init__(self, world: World, idle_timeout_s: float = 7 * 86400.0) -> None:
+        self.world = world
+        self.group = (
+            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=idle_timeout_s))
+            if world.size > 1
+            else None
+        )
+
+    def send(self, name: str, *args: Any) -> None:
+        if self.group is not None:
+            dist.broadcast_object_list([(name, args)], src=0, group=self.group)
+
+    def receive(self) -> tuple[str, tuple[Any, ...]]:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        name, args = box[0]
+        return str(name), tuple(args)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order, on every rank."""
+        if self.group is None:
+            return [value]
+        out: list[Any] = [None] * self.world.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+
+def write_checkpoint(model: nn.Module, folder: Path, max_shard_bytes: int = 2 << 30) -> None:
+    """The model's weights as HuggingFace safetensors shards (experts split per expert, as GLM-5 checkpoints
+    store them) that every rank writes together into `folder`, which must exist. Each file belongs to one rank;
+    its tensors are gathered one at a time (a sharded parameter's full_tensor, a collective every rank joins)
+    and kept only by that rank, so no process ever holds more than its files plus one tensor. Rank 0 writes the
+    index (more than one file) once every rank has written; the config and the rest are the caller's."""
+    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    state = model.state_dict()
+    names = sorted(state)
+    nbytes = {n: state[n].numel() * state[n].element_size() for n in names}
+    # files of similar size, about one per rank and none above the limit (a larger tensor goes alone)
+    target = min(max_shard_bytes, max(1, math.ceil(sum(nbytes.values()) / size)))
+    files: list[list[str]] = [[]]
+    used = 0
+    for n in names:
+        if files[-1] and used + nbytes[n] > target:
+            files.append([])
+            used = 0
+        files[-1].append(n)
+        used += nbytes[n]
+    config: Any = model.config  # both models carry their HF config
+    inter = int(config.moe_intermediate_size)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    weight_map: dict[str, str] = {}
+    for i, members in enumerate(files):
+        fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        mine = i % size == rank
+        shard_tensors: dict[str, torch.Tensor] = {}
+        for n in members:
+            t = state[n].detach()
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if mine:
+                for key, value in on_disk(n, full, inter).items():
+                    if not (tied and key == "lm_head.weight"):
+                        shard_tensors[key] = value.to("cpu").contiguous()
+        if mine:
+            save_file(shard_tensors, str(folder / fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard_tensors, fname))
+    maps = [weight_map]
+    if size > 1:
+        maps = [{} for _ in range(size)]
+        dist.all_gather_object(maps, weight_map)
+    if rank == 0 and len(files) > 1:
+        merged = {k: v for m in maps for k, v in m.items()}
+        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": dict(sorted(merged.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -37,10 +37,12 @@ from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
 from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
+from glm5_trainer.distributed import World
 from glm5_trainer.environment import Outcome, Problem, evaluation_summary, read_turn
 from glm5_trainer.loss import TrustRegion
 from glm5_trainer.outputs import write_outputs
 from glm5_trainer.policy import Policy, StepStats
+from glm5_trainer.ranks import Ranks
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
 from glm5_trainer.versions import TRANSPORTS, WeightVersions, steps_recorded, sync_workers
 
@@ -128,6 +130,7 @@ class Result:
     history: list[dict[str, Any]]
     evaluation_before: dict[str, Any] | None = None  # accuracy and tool calls (environment.evaluation_summary)
     evaluation_after: dict[str, Any] | None = None
+    trainer: dict[str, Any] | None = None  # world size and each rank's state bytes
 
 
 def latest_published(out: Path) -> tuple[int, Path] | None:
@@ -139,31 +142,55 @@ def latest_published(out: Path) -> tuple[int, Path] | None:
     return max(versions) if versions else None
 
 
+@dataclass
+class Trainer:
+    """What every trainer rank builds the same way: the policy (sharded over the world), its weight versions,
+    and where a restarted job resumes."""
+
+    ranks: Ranks
+    resumed_from: tuple[int, Path] | None
+    steps_done: int
+    exact_resume: bool
+
+
+def open_trainer(config: RLConfig, world: World) -> Trainer:
+    """The policy and its versions on this rank. A restarted trainer (an RLJob pod) resumes from its last
+    published version, not from the start; the optimizer state saved with that version too, when there is
+    one (rank 0 and the other ranks call this alike: the resume's reads are collective)."""
+    resumed_from = latest_published(config.out)
+    start = config.policy if resumed_from is None else resumed_from[1]
+    # `steps` counts the job's steps across restarts; versions published before they were recorded count one
+    # step per version (0 is a real count: the starting policy published above the engines' version)
+    recorded = None if resumed_from is None else steps_recorded(start)
+    done = 0 if resumed_from is None else recorded if recorded is not None else resumed_from[0]
+    policy = Policy(start, config.learning_rate, config.region, config.balance_weight, config.entropy_weight,
+                    total_steps=config.steps if config.lr_schedule == "cosine" else None, steps_done=done,
+                    world=world)  # fmt: skip
+    versions = WeightVersions(policy.model, config.out, config.policy, config.sync_every_steps,
+                              config.sync_interval_s, config.ema_decay, steps=done)  # fmt: skip
+    # one rank: the optimizer's state as one file; several: a DCP directory every rank writes its part of
+    state_path = config.out / ("trainer_state.pt" if world.size == 1 else "trainer_state")
+    ranks = Ranks(policy, versions, state_path, world)
+    exact = False
+    if resumed_from is not None:
+        versions.latest = versions.synced = resumed_from[0]
+        exact = ranks.restore(resumed_from[0])
+    return Trainer(ranks, resumed_from, done, exact)
+
+
 class RLRun:
-    def __init__(self, config: RLConfig) -> None:
+    def __init__(self, config: RLConfig, world: World | None = None) -> None:
         self.c = config
+        self.world = world or World()
         self.run_id = f"{config.job}-{random.Random().getrandbits(32):08x}"  # rollout ids unique across runs
         self.driver = RolloutDriver(config, self.run_id, self._group_finished)
         self.env, self.eval_problems = self.driver.env, self.driver.eval_problems
-        # A restarted trainer (an RLJob pod) resumes from its last published version, not from the start.
-        self.resumed_from = latest_published(config.out)
-        start = config.policy if self.resumed_from is None else self.resumed_from[1]
-        # `steps` counts the job's steps across restarts; versions published before they were recorded count
-        # one step per version
-        recorded = None if self.resumed_from is None else steps_recorded(start)
-        # (0 is a real count: the starting policy published above the engines' version before any step)
-        done = 0 if self.resumed_from is None else recorded if recorded is not None else self.resumed_from[0]
-        self.policy = Policy(start, config.learning_rate, config.region, config.balance_weight, config.entropy_weight,
-                             total_steps=config.steps if config.lr_schedule == "cosine" else None,
-                             steps_done=done)  # fmt: skip
-        self.versions = WeightVersions(self.policy.model, config.out, config.policy, config.sync_every_steps,
-                                       config.sync_interval_s, config.ema_decay, steps=done)  # fmt: skip
-        self.state_path = config.out / "trainer_state.pt"
+        trainer = open_trainer(config, self.world)
+        self.ranks, self.resumed_from = trainer.ranks, trainer.resumed_from
+        self.policy, self.versions = self.ranks.policy, self.ranks.versions
         if self.resumed_from is not None:
-            self.versions.latest = self.versions.synced = self.resumed_from[0]
-            exact = self.policy.load_state(self.state_path, self.resumed_from[0])
-            how = "with its optimizer state" if exact else "with a fresh optimizer (no state saved for it)"
-            log.info("resuming from version %d (%s) after %d steps, %s", *self.resumed_from, done, how)
+            how = "with its optimizer state" if trainer.exact_resume else "with a fresh optimizer (none saved for it)"
+            log.info("resuming from version %d (%s) after %d steps, %s", *self.resumed_from, trainer.steps_done, how)
         self.counters: collections.Counter[str] = collections.Counter()
         self.pending: dict[str, list[tito_pb2.RolloutRecord]] = collections.defaultdict(list)
         self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
@@ -182,7 +209,8 @@ class RLRun:
     def progress(self) -> dict[str, Any]:
         """What GET /status reports (the RLJob's status follows it)."""
         return {"phase": self.phase, "steps": self.versions.steps, "targetSteps": self.c.steps,
-                "policyVersion": self.pushed_version, "lastSyncTime": self.last_sync_time}  # fmt: skip
+                "policyVersion": self.pushed_version, "lastSyncTime": self.last_sync_time,
+                "trainerWorldSize": self.world.size}  # fmt: skip
 
     def request_stop(self) -> None:
         """Finish the current step, publish and push it, and end the run (SIGTERM on a trainer pod)."""
@@ -288,8 +316,8 @@ class RLRun:
             self.pushed_version = served  # a fresh start on fresh engines, or a resume on ones serving it
             return
         self.versions.latest = max(served + 1, self.versions.latest)
-        published = self.versions.publish()
-        self.policy.save_state(self.state_path, self.versions.synced)
+        published = self.ranks.publish()
+        self.ranks.save_state(self.versions.synced)
         await self._sync(published)
         log.info("engines served version %d: the starting policy is version %d", served, self.versions.latest)
 
@@ -367,8 +395,11 @@ class RLRun:
     async def run(self) -> Result:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        with logging_redirect_tqdm():  # this process's log lines print above the progress bars, not through them
-            return await self._run()
+        try:
+            with logging_redirect_tqdm():  # this process's log lines print above the progress bars, not through them
+                return await self._run()
+        finally:
+            self.ranks.stop()  # the other ranks exit (after a failure too: rank 0's exit status tells)
 
     async def _run(self) -> Result:
         from tqdm import tqdm
@@ -407,15 +438,15 @@ class RLRun:
                         await asyncio.gather(*(self.rollout_group() for _ in range(self.c.groups_per_step)))
                     samples = await self.next_batch()
                     t1 = time.perf_counter()
-                    stats = await asyncio.to_thread(self.policy.step, samples)
+                    stats = await asyncio.to_thread(self.ranks.step, samples)
                     phases = {"wait_seconds": round(t1 - t0, 4), "step_seconds": round(time.perf_counter() - t1, 4)}
                     await self._after_step(step, stats, samples, start, bar, phases)
                 self.phase = "finishing"
                 if self._pushing is not None:
                     await self._pushing
                 if self.versions.synced < self.versions.latest:
-                    final = self.versions.publish()
-                    self.policy.save_state(self.state_path, self.versions.synced)
+                    final = self.ranks.publish()
+                    self.ranks.save_state(self.versions.synced)
                     await self._sync(final)
                 train_seconds = time.perf_counter() - start
             finally:
@@ -425,8 +456,10 @@ class RLRun:
                 if self._producer is not None:
                     await self._producer.stop()
                     self.counters.update(self._producer.counters)
-                await asyncio.to_thread(self.policy.wait_saved)
+                await asyncio.to_thread(self.ranks.wait_saved)
                 self.counters.update(self.driver.counters)
+            trainer = {"world_size": self.world.size, "rank_bytes": self.ranks.bytes_per_rank()}
+            log.info("trainer: %d rank(s), state bytes per rank %s", self.world.size, trainer["rank_bytes"])
             self.phase = "evaluating"
             after = await self.evaluate("held-out evaluation after RL")
             log.info("held-out accuracy after RL: %s (%s)", after, self.last_eval)
@@ -437,6 +470,7 @@ class RLRun:
             final_version=self.versions.synced, final_checkpoint=str(self.versions.synced_path(self.versions.synced)),
             counters=dict(self.counters), sync_seconds=self.sync_seconds, history=self.history,
             evaluation_before=eval_before, evaluation_after=self.last_eval if after is not None else None,
+            trainer=trainer,
         )  # fmt: skip
         write_outputs(self.c.out, result, self.c)
         if self.complete:
@@ -458,9 +492,10 @@ class RLRun:
         phases: dict[str, float],
     ) -> None:
         t0 = time.perf_counter()
-        path = self.versions.after_step()  # the checkpoint is written before the next step changes the weights
+        # the checkpoint is written before the next step changes the weights
+        path = self.ranks.publish() if self.versions.due() else None
         if path is not None:
-            self.policy.save_state(self.state_path, self.versions.synced)
+            self.ranks.save_state(self.versions.synced)
         phases["publish_seconds"] = round(time.perf_counter() - t0, 4)
         t0 = time.perf_counter()
         if self._pushing is not None:

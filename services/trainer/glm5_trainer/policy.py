@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import math
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +153,9 @@ class Policy:
         atomically: a trainer restarted on the same volume resumes exactly, and only one copy (twice the
         parameters, for AdamW) is kept. The state is copied here and written by a background thread, off the
         training step's path; `wait_saved` waits for the writes."""
+        if self.world.size > 1:
+            self._save_sharded_state(path, version)
+            return
         state = {
             "version": version,
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # the next step updates it in place
@@ -173,6 +178,8 @@ class Policy:
 
     def load_state(self, path: Path, version: int) -> bool:
         """Restores the state saved with `version`; False (fresh optimizer) when there is none for it."""
+        if self.world.size > 1:
+            return self._load_sharded_state(path, version)
         if not path.is_file():
             return False
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -181,6 +188,32 @@ class Policy:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+        return True
+
+    def _save_sharded_state(self, folder: Path, version: int) -> None:
+        """Several ranks: the state as a DCP directory (`save_checkpoint`), written by every rank and swapped in by
+        rank 0 once complete; `version` beside it says which published weights it goes with. Synchronous: the
+        ranks' shards are written in parallel, and no rank holds a copy of the whole."""
+        tmp = folder.with_name(folder.name + ".tmp")
+        if self.world.leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+        torch.distributed.barrier()
+        self.save_checkpoint(tmp, version)
+        torch.distributed.barrier()  # every rank's shards are written, not only rank 0's metadata
+        if self.world.leader:
+            (tmp / "version").write_text(f"{version}\n")
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
+
+    def _load_sharded_state(self, folder: Path, version: int) -> bool:
+        saved: list[Any] = [None]
+        if self.world.leader:
+            with contextlib.suppress(OSError, ValueError):
+                saved[0] = int((folder / "version").read_text())
+        torch.distributed.broadcast_object_list(saved, src=0)  # one decision for every rank
+        if saved[0] != version:
+            return False
+        self.load_checkpoint(folder)
         return True
 
     def save_checkpoint(self, path: Path, version: int) -> None:

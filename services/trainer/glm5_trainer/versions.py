@@ -15,15 +15,18 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
+import torch.distributed as dist
 from glm5.client import worker_stub
-from glm5.model.loader import save_checkpoint
 from glm5.security import NO_TLS, Secret, TlsConfig, admin_metadata
 from glm5.security import channel as secure_channel
 from glm5.serving import STREAM_ACCEPTED_KEY
 from glm5.v1 import worker_pb2, worker_pb2_grpc
+
+from glm5_trainer.distributed import write_checkpoint
 
 MAX_SYNC_INTERVAL_S = 1800.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -59,31 +62,45 @@ class WeightVersions:
     def after_step(self) -> Path | None:
         """Call after every optimizer step: bumps actor_latest, updates actor_ema, and publishes actor_synced
         when K steps or the sync interval have passed. Returns the published checkpoint, if any."""
+        self.advance()
+        return self.publish() if self.due() else None
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """After an optimizer step: actor_latest moves on and actor_ema follows (each rank its own shards)."""
         self.latest += 1
         self.steps += 1
         for name, value in self.model.state_dict().items():
             self.ema[name].mul_(self.ema_decay).add_(value.detach().float(), alpha=1 - self.ema_decay)
-        due = (
-            self.latest - self.synced >= self.sync_every_steps or self.clock() - self._last_sync >= self.sync_interval_s
-        )
-        return self.publish() if due else None
+
+    def due(self) -> bool:
+        """K steps or the sync interval since the last published version (rank 0 decides for every rank)."""
+        steps = self.latest - self.synced >= self.sync_every_steps
+        return steps or self.clock() - self._last_sync >= self.sync_interval_s
 
     def publish(self) -> Path:
-        """Write actor_synced at the current version (atomically: readers never see half a checkpoint)."""
+        """Write actor_synced at the current version (atomically: readers never see half a checkpoint). With
+        several trainer ranks every rank calls it: each writes its files (distributed.write_checkpoint), rank 0
+        the rest and the rename."""
         final = self.synced_path(self.latest)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        if hasattr(self.model, "save_pretrained"):  # transformers: its own on-disk layout, which we load
-            self.model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
-        else:
-            save_checkpoint(self.model, tmp)  # type: ignore[arg-type]
-        for name in TOKENIZER_FILES:
-            if (self.tokenizer_dir / name).is_file():
-                shutil.copy(self.tokenizer_dir / name, tmp / name)
-        state = {"version": self.latest, "steps": self.steps, "ema_decay": self.ema_decay}
-        (tmp / "version.json").write_text(json.dumps(state) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        leader = not dist.is_initialized() or dist.get_rank() == 0
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if dist.is_initialized():
+            dist.barrier()  # the folder exists (on a volume every rank shares) before anyone writes into it
+        write_checkpoint(self.model, tmp)
+        if leader:
+            config: Any = self.model.config  # both models carry their HF config
+            (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+            for name in TOKENIZER_FILES:
+                if (self.tokenizer_dir / name).is_file():
+                    shutil.copy(self.tokenizer_dir / name, tmp / name)
+            state = {"version": self.latest, "steps": self.steps, "ema_decay": self.ema_decay}
+            (tmp / "version.json").write_text(json.dumps(state) + "\n")
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
         self.synced, self._last_sync = self.latest, self.clock()
         return final
 
