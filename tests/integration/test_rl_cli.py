@@ -1,5 +1,5 @@
-"""`glm5 rl` as a user runs it: worker, gateway and trainer processes, outputs on disk, clear errors, and no secret
-in any of it."""
+"""`glm5 rl` as a user runs it: worker, gateway and trainer processes (the trainer as 2 ranks, the policy sharded
+over them), outputs on disk, a restart that resumes, clear errors, and no secret in any of it."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def rl_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     base = tmp_path_factory.mktemp("rl")
     out, stdout, stderr = base / "run", base / "stdout", base / "stderr"
     cmd = [sys.executable, "-m", "glm5_cli", "rl", *SMALL, "--steps", "2", "--out", str(out),
-           "--trainer-arg=--eval-size=8"]  # fmt: skip
+           "--trainer-arg=--eval-size=8", "--trainer-nproc", "2"]  # fmt: skip
     with stdout.open("wb") as o, stderr.open("wb") as e:
         proc = subprocess.Popen(cmd, stdout=o, stderr=e)
         tokens: dict[str, str] = {}
@@ -94,6 +94,29 @@ def test_glm5_rl_writes_checkpoints_history_and_plot(rl_run: Run) -> None:
     assert "worker serving" in (out / "logs" / "worker-0.log").read_text()
     assert "TITO gateway on" in (out / "logs" / "tito-gateway.log").read_text()
     assert b"glm5 rl: starting the trainer" in rl_run.stderr
+    # two trainer ranks: each holds about half the policy's state, and they published each version together
+    trainer = summary["trainer"]
+    assert trainer["world_size"] == 2 and len(trainer["rank_bytes"]) == 2
+    per_rank = [sum(b.values()) for b in trainer["rank_bytes"]]
+    assert max(per_rank) <= 1.1 * sum(per_rank) / 2, per_rank
+    published = out / "actor_synced" / "v000002"
+    assert (
+        len(list(published.glob("model-*.safetensors"))) >= 2 and (published / "model.safetensors.index.json").is_file()
+    )
+    assert (out / "trainer_state" / ".metadata").is_file() and (out / "trainer_state" / "version").read_text() == "2\n"
+
+
+def test_a_restarted_2_rank_trainer_resumes_with_its_sharded_state(rl_run: Run) -> None:
+    """glm5 rl again on the same folder (what a restarted RLJob trainer pod does): the ranks load the DCP state
+    saved with the last version, take the one step left of --steps 3, and the engines serve version 3."""
+    assert rl_run.returncode == 0, rl_run.stderr[-3000:].decode(errors="replace")
+    proc = _rl("--steps", "3", "--out", str(rl_run.out), "--trainer-arg=--eval-size=4", "--trainer-nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from version 2" in proc.stderr and "with its optimizer state" in proc.stderr
+    summary = json.loads((rl_run.out / "summary.json").read_text())
+    assert summary["final_version"] == 3 and summary["trainer"]["world_size"] == 2
+    assert len((rl_run.out / "history.jsonl").read_text().splitlines()) == 1  # the one step left
+    assert (rl_run.out / "trainer_state" / "version").read_text() == "3\n"
 
 
 def test_no_output_of_glm5_rl_holds_its_tokens(rl_run: Run) -> None:
@@ -103,7 +126,8 @@ def test_no_output_of_glm5_rl_holds_its_tokens(rl_run: Run) -> None:
     assert rl_run.returncode == 0, rl_run.stderr[-3000:].decode(errors="replace")
     assert set(rl_run.tokens) == set(TOKEN_ENV) and all(len(t) >= 32 for t in rl_run.tokens.values())
     files = [p for p in rl_run.out.rglob("*") if p.is_file()]
-    assert {"summary.json", "history.jsonl", "rl.png", "worker-0.log", "model.safetensors"} <= {p.name for p in files}
+    assert {"summary.json", "history.jsonl", "rl.png", "worker-0.log", ".metadata"} <= {p.name for p in files}
+    assert any(p.suffix == ".safetensors" for p in files) and any(p.suffix == ".distcp" for p in files)
     outputs = {str(p.relative_to(rl_run.out)): p.read_bytes() for p in files}
     outputs |= {"stdout": rl_run.stdout, "stderr": rl_run.stderr}
     for name, token in rl_run.tokens.items():
