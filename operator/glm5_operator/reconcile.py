@@ -298,7 +298,8 @@ class Reconciler:
         if not isinstance(got, dict):
             return None
         out: dict[str, Any] = {}
-        for key, field in (("steps", "trainedSteps"), ("policyVersion", "policyVersion")):
+        for key, field in (("steps", "trainedSteps"), ("policyVersion", "policyVersion"),
+                           ("trainerWorldSize", "trainerWorldSize")):  # fmt: skip
             if isinstance(got.get(key), int) and not isinstance(got.get(key), bool):
                 out[field] = got[key]
         if isinstance(got.get("lastSyncTime"), str) and len(got["lastSyncTime"]) <= 40:

@@ -38,7 +38,9 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     # after every step, a held-out evaluation long enough for a progress poll to see the finished steps.
     job = yaml.safe_load((EXAMPLES / "rljob.yaml").read_text())
     name = job["metadata"]["name"]
-    job["spec"]["trainer"] |= {"steps": 2, "syncEverySteps": 1, "groupSize": 4, "groupsPerStep": 2, "evalSize": 24}
+    # and the trainer as two ranks (devices: 2 on cpu: two processes in its pod, the policy sharded over them)
+    job["spec"]["trainer"] |= {"steps": 2, "syncEverySteps": 1, "groupSize": 4, "groupsPerStep": 2, "evalSize": 24,
+                               "devices": 2}  # fmt: skip
     (tmp_path / "rljob.yaml").write_text(yaml.safe_dump(job))
     await cluster.kubectl("apply", "-f", str(tmp_path / "rljob.yaml"))
 
@@ -47,7 +49,9 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     def succeeded() -> bool:
         status = cluster.get(RLJOBS, name).get("status") or {}
         if status.get("phase") == "Running":
-            seen.append({k: status.get(k) for k in ("trainedSteps", "policyVersion", "lastSyncTime")})
+            seen.append(
+                {k: status.get(k) for k in ("trainedSteps", "policyVersion", "lastSyncTime", "trainerWorldSize")}
+            )
         return cluster.condition(RLJOBS, name, "Succeeded").get("status") == "True"
 
     await cluster.until(succeeded, 420, "the RLJob to succeed")
@@ -56,6 +60,7 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     # before the job ended, its status already showed what the running trainer reported (how many steps a poll
     # catches mid-run is a race: a job this small trains its 2 steps faster than polls come on a loaded machine)
     assert any(isinstance(s["trainedSteps"], int) and isinstance(s["policyVersion"], int) for s in seen), seen
+    assert any(s["trainerWorldSize"] == 2 for s in seen), seen
     status = cluster.get(RLJOBS, name)["status"]
     assert status["phase"] == "Succeeded" and status["completedSteps"] == status["trainedSteps"] == 2
     version = status["policyVersion"]
@@ -64,7 +69,9 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     # the final checkpoint is on the claim the job names, at the path it names
     checkpoint = cluster.runner.workdir / "claims" / status["checkpoint"]["claim"] / status["checkpoint"]["path"]
     assert json.loads((checkpoint / "version.json").read_text())["steps"] == 2
-    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "tokenizer.json").is_file()
+    # written by both ranks: a file each (or more) and the index
+    assert (checkpoint / "model.safetensors.index.json").is_file() and (checkpoint / "tokenizer.json").is_file()
+    assert len(list(checkpoint.glob("model-*.safetensors"))) >= 2
 
     # the rollout workers serve it: it reached them over gRPC (they mount neither the trainer's claim nor any
     # other volume it wrote to)

@@ -33,7 +33,13 @@ class Gateway(Spec):
 
 
 class Trainer(Spec):
-    devices: int = Field(1, ge=1, description="Accelerators for the trainer.")
+    devices: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Accelerators for the trainer (on cpu: processes): one trainer rank each, the policy sharded "
+        "over them with FSDP2 (`glm5 trainer --nproc-per-node`).",
+    )
     accelerator: Literal["ascend-910b", "nvidia", "cpu"] = Field("cpu", description="Trainer device type.")
     learning_rate: float = Field(1e-6, gt=0, description="Optimizer learning rate.")
     task_preset: Literal["math", "terminal", "custom"] = Field("math", description="Trust-region preset.")

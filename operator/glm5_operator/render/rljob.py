@@ -96,6 +96,8 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "weights-transport": "stream",
         "dataset": spec.dataset.uri,
         "environment": spec.dataset.environment,
+        # one rank per device, the policy sharded over them (FSDP2); rank 0 runs the loop
+        "nproc-per-node": t.devices,
     }
 
 
@@ -207,7 +209,9 @@ def trainer_stateful_set(
     job: str, namespace: str, spec: RLJobSpec, settings: dict[str, Any], config: OperatorConfig, client_of: str
 ) -> dict[str, Any]:
     t = spec.trainer
-    resources: dict[str, Any] = {"requests": {"cpu": "1", "memory": "4Gi"}}
+    # on CPU each rank is a process that wants a core of its own
+    cpus = str(t.devices) if t.accelerator == "cpu" else "1"
+    resources: dict[str, Any] = {"requests": {"cpu": cpus, "memory": "4Gi"}}
     extended = ACCELERATOR_RESOURCE.get(t.accelerator)
     if extended:
         resources = {"limits": {extended: t.devices}, "requests": {**resources["requests"], extended: t.devices}}

@@ -25,7 +25,8 @@ def _rl(cluster: Cluster) -> dict[str, Any]:
 
 async def test_deployment_ref_waits_for_the_deployment_then_reuses_its_workers(cluster: Cluster) -> None:
     spec = {"policy": {"path": "/models/tiny"}, "rollout": {"deploymentRef": "serve"},
-            "trainer": {"taskPreset": "terminal"}, "dataset": {"uri": "/data/addition.jsonl"}}  # fmt: skip
+            "trainer": {"taskPreset": "terminal", "devices": 3},
+            "dataset": {"uri": "/data/addition.jsonl"}}  # fmt: skip
     await cluster.apply_cr("RLJob", "rl", spec)
     missing = await eventually(lambda: cluster.condition("RLJob", "rl", "RolloutReady"), what="DeploymentNotFound")
     assert missing["reason"] == "DeploymentNotFound" and "default/serve" in missing["message"]
@@ -36,6 +37,10 @@ async def test_deployment_ref_waits_for_the_deployment_then_reuses_its_workers(c
     rl = _rl(cluster)
     assert (rl["eps-low"], rl["eps-high"]) == (0.05, 0.25)  # terminal preset
     assert rl["engines"] == "serve-worker.default.svc:50051"
+    # three trainer ranks in the trainer pod, a core each on cpu
+    assert rl["nproc-per-node"] == 3
+    trainer = cluster.obj("StatefulSet", "rl-trainer")["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["resources"]["requests"]["cpu"] == "3"
     assert not cluster.exists("StatefulSet", "rl-rollout-worker")  # reuses the deployment's workers
     for kind, name in JOB_CHILDREN:
         assert cluster.obj(kind, name)["metadata"]["ownerReferences"][0]["kind"] == "RLJob"
