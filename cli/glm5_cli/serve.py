@@ -88,21 +88,20 @@ RECONNECT = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_ba
 
 def wait_serving(target: str, proc: subprocess.Popen[bytes], timeout: float, what: str = "worker") -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target, options=RECONNECT) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise ConfigError(f"{what} on {target} exited with status {proc.returncode} while loading "
-                                  f"(its log is above)")  # fmt: skip
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"{what} on {target} exited with status {proc.returncode} while loading "
+                              f"(its log is above)")  # fmt: skip
+        # a fresh channel per try: one whose first connect was refused waits out gRPC's reconnect backoff (~5 s
+        # measured) before it tries again, long after the server is up
+        with grpc.insecure_channel(target, options=RECONNECT) as channel:
             try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
+        time.sleep(0.2)
     raise ConfigError(f"{what} on {target} not serving after {timeout:.0f}s (--startup-timeout)")
 
 

@@ -37,17 +37,18 @@ def wait_serving(target: str, timeout: float = 120.0, proc: subprocess.Popen | N
                  tls: TlsConfig = NO_TLS, service: str = "") -> None:  # fmt: skip
     """Until `target`'s grpc.health.v1 says SERVING for `service` ("": the process; a service name: ready)."""
     deadline = time.monotonic() + timeout
-    with sync_channel(target, tls) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process exited with {proc.returncode} before serving")
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before serving")
+        # a fresh channel per try: one refused at first waits out gRPC's reconnect backoff (seconds) before retrying
+        with sync_channel(target, tls) as channel:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status == 1:
+                request = health_pb2.HealthCheckRequest(service=service)
+                if health_pb2_grpc.HealthStub(channel).Check(request, timeout=1).status == 1:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
+        time.sleep(0.2)
     raise TimeoutError(f"{target} not serving after {timeout}s")
 
 
