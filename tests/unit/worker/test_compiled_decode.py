@@ -36,6 +36,13 @@ def engine(path: Path, eager: bool, cache: Path, **kw: object) -> Engine:
     return Engine(EngineConfig(**{**base, **kw}))  # type: ignore[arg-type]
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One inductor cache for the tests of one model's shapes: a graph another test compiled is read back, not
+    rebuilt (the disk cache's own test keeps a directory of its own)."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
 def generate(eng: Engine, prompts: list[list[int]], new: int, together: bool) -> list[list[int]]:
     """Greedy tokens of each prompt: one at a time (batch-1 steps) or all at once (batched steps)."""
     out: dict[str, list[int]] = {}
@@ -55,11 +62,11 @@ def prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("config", list(PARITY))
-def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: Path) -> None:
+def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: Path, cache: Path) -> None:
     hf_checkpoint(tmp_path / "m", seed=3, vocab_size=1024, **PARITY[config])
     write_tokenizer(tmp_path / "m")
-    eager = engine(tmp_path / "m", True, tmp_path / "cache")
-    compiled = engine(tmp_path / "m", False, tmp_path / "cache")
+    eager = engine(tmp_path / "m", True, cache)
+    compiled = engine(tmp_path / "m", False, cache)
     runner = compiled.runner.compiled
     assert runner is not None and eager.runner.compiled is None
     # blocks of 16 and top-k 12: every context is long; batch 1 and batches of 2..4 each have a graph
@@ -80,13 +87,13 @@ def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: 
         assert mine.entropy_short is not None and mine.entropy_short == pytest.approx(theirs.entropy_short, rel=1e-4)
 
 
-def test_compiled_decode_reads_the_int8_tier(tmp_path: Path) -> None:
+def test_compiled_decode_reads_the_int8_tier(tmp_path: Path, cache: Path) -> None:
     """Tokens older than l1_tokens move to the INT8 tier: a compiled step reads both tiers inside its graph (the
     eager split by tier broke the graph, and its pieces recompiled, and failed, while serving)."""
     hf_checkpoint(tmp_path / "m", seed=3, vocab_size=1024, **PARITY["shared-indexer"])
     write_tokenizer(tmp_path / "m")
-    eager = engine(tmp_path / "m", True, tmp_path / "cache", kv_int8_tier=True, l1_tokens=32)
-    compiled = engine(tmp_path / "m", False, tmp_path / "cache", kv_int8_tier=True, l1_tokens=32)
+    eager = engine(tmp_path / "m", True, cache, kv_int8_tier=True, l1_tokens=32)
+    compiled = engine(tmp_path / "m", False, cache, kv_int8_tier=True, l1_tokens=32)
     demoted: list[tuple[int, int]] = []
     demote = compiled.runner.demote
     compiled.runner.demote = lambda copies: (demoted.extend(copies), demote(copies))[1]  # type: ignore[method-assign]
@@ -98,14 +105,14 @@ def test_compiled_decode_reads_the_int8_tier(tmp_path: Path) -> None:
     assert demoted  # the steps did read blocks from the INT8 tier
 
 
-def test_compiled_steps_read_swapped_weights(tmp_path: Path) -> None:
+def test_compiled_steps_read_swapped_weights(tmp_path: Path, cache: Path) -> None:
     """RL copies new weights into the live tensors between steps: the compiled graphs must read them (parameters
     are graph inputs, never constants folded in at compile time)."""
     for name, seed in (("a", 3), ("b", 4)):
         hf_checkpoint(tmp_path / name, seed=seed, vocab_size=1024, **PARITY["shared-indexer"])
         write_tokenizer(tmp_path / name)
-    eager = engine(tmp_path / "a", True, tmp_path / "cache")
-    compiled = engine(tmp_path / "a", False, tmp_path / "cache", compile_max_batch=1)
+    eager = engine(tmp_path / "a", True, cache)
+    compiled = engine(tmp_path / "a", False, cache, compile_max_batch=1)
     ps = prompts([40], seed=5)
     before = generate(compiled, ps, 16, together=False)
     assert before == generate(eager, ps, 16, together=False)
