@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-rl-steps", type=int, default=0,
                    help="after tool SFT (or on the --from checkpoint): `glm5 rl --env tools` steps")  # fmt: skip
     p.add_argument("--tool-rl-lr", type=float, default=1e-4, help="learning rate of the tool RL stage")
+    p.add_argument("--rl-arg", action="append", default=[],
+                   help="a flag for every `glm5 rl` stage, after the stage's own (the last of a flag wins), e.g. "
+                        "--rl-arg=--trainer-arg=--max-new-tokens=16 (repeatable)")  # fmt: skip
     p.add_argument("--work", type=Path, help="stage folders (default: OUT.work)")
     p.add_argument("--eval-only", action="store_true", help="only measure an existing checkpoint")
 
@@ -123,7 +126,7 @@ def _rl(model: Path, out: Path, steps: int, lr: float, a: argparse.Namespace, en
            "--env", env, "--steps", str(steps), "--learning-rate", str(lr), "--seed", str(a.rl_seed),
            f"--trainer-arg=--split-seed={a.seed}", "--worker-arg=--kv-cache-bytes=64MiB", *shape,
            f"--trainer-arg=--eval-size={a.held_out}", "--trainer-arg=--eval-every=50",
-           "--trainer-arg=--lr-schedule=cosine"]  # fmt: skip
+           "--trainer-arg=--lr-schedule=cosine", *a.rl_arg]  # fmt: skip
     if subprocess.run(cmd).returncode:
         raise ConfigError(f"the RL stage ({env}) failed (its log is above)")
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())

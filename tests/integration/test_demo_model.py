@@ -22,11 +22,14 @@ def test_shipped_model_is_the_default_and_solves_held_out_additions() -> None:
 
 def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
     """`glm5 demo-model` with tiny budgets: supervised stage, RL stage through `glm5 rl`, tool-use stage (with its
-    drills), tool RL stage through `glm5 rl --env tools`, final model copied."""
+    drills), tool RL stage through `glm5 rl --env tools`, final model copied. The RL stages run small (one worker,
+    two groups a step, 16 new tokens: an untrained model's answers run to the limit) through --rl-arg."""
     out = tmp_path / "model"
+    small = ["--rl-arg=--workers=1", "--rl-arg=--trainer-arg=--groups-per-step=2",
+             "--rl-arg=--trainer-arg=--max-inflight-groups=4", "--rl-arg=--trainer-arg=--max-new-tokens=16"]  # fmt: skip
     cmd = [sys.executable, "-m", "glm5_cli", "demo-model", "--out", str(out), "--steps", "30", "--stop-at", "20",
            "--batch", "8", "--rl-steps", "2", "--held-out", "16", "--tool-steps", "2",
-           "--tool-sft-args", '{"drill_share": 0.5}', "--tool-rl-steps", "1"]  # fmt: skip
+           "--tool-sft-args", '{"drill_share": 0.5}', "--tool-rl-steps", "1", *small]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((out / "training.json").read_text())
@@ -47,7 +50,7 @@ def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
     # more tool RL on the result (`--from` with RL only): recorded beside the first, the earlier stages kept
     again = tmp_path / "again"
     cmd = [sys.executable, "-m", "glm5_cli", "demo-model", "--from", str(out), "--out", str(again), "--held-out", "16",
-           "--tool-rl-steps", "1", "--rl-seed", "1"]  # fmt: skip
+           "--tool-rl-steps", "1", "--rl-seed", "1", *small]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     more = json.loads((again / "training.json").read_text())
