@@ -26,7 +26,8 @@ def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
     two groups a step, 16 new tokens: an untrained model's answers run to the limit) through --rl-arg."""
     out = tmp_path / "model"
     small = ["--rl-arg=--workers=1", "--rl-arg=--trainer-arg=--groups-per-step=2",
-             "--rl-arg=--trainer-arg=--max-inflight-groups=4", "--rl-arg=--trainer-arg=--max-new-tokens=16"]  # fmt: skip
+             "--rl-arg=--trainer-arg=--max-inflight-groups=4",
+             "--rl-arg=--trainer-arg=--max-new-tokens=16"]  # fmt: skip
     cmd = [sys.executable, "-m", "glm5_cli", "demo-model", "--out", str(out), "--steps", "30", "--stop-at", "20",
            "--batch", "8", "--rl-steps", "2", "--held-out", "16", "--tool-steps", "2",
            "--tool-sft-args", '{"drill_share": 0.5}', "--tool-rl-steps", "1", *small]  # fmt: skip
