@@ -5,8 +5,9 @@ MASTER_PORT in the environment) by tests/integration/test_trainer_fsdp.py.
         [--steps 1] [--skip-steps N] [--save-after N --checkpoint DIR] [--resume DIR] [--die-at-step N] [--timeout 60]
         [--publish DIR]
 
-Trains `--steps` steps (float64) on the same records, then writes out/rank{R}.pt: this rank's state bytes and
-the steps' stats; rank 0 also writes out/weights.pt, the full updated weights gathered for the comparison.
+Trains `--steps` steps (float64) on the same records, then writes out/rank{R}.pt: this rank's state bytes, the
+bytes it read of the checkpoint and the steps' stats; rank 0 also writes out/weights.pt, the full updated
+weights gathered for the comparison.
 --publish: then every rank publishes actor_synced v1 under DIR together (WeightVersions.publish); a world of
 one also writes transformers' own save_pretrained of the same weights to DIR/hf.
 """
@@ -63,7 +64,8 @@ def main() -> None:
             policy.model.save_pretrained(a.publish / "hf")
     full = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     a.out.mkdir(parents=True, exist_ok=True)
-    torch.save({"bytes": state_bytes(policy.model, policy.optimizer), "stats": stats}, a.out / f"rank{world.rank}.pt")
+    mine = {"bytes": state_bytes(policy.model, policy.optimizer), "stats": stats, "read": policy.loaded_bytes}
+    torch.save(mine, a.out / f"rank{world.rank}.pt")
     if world.leader:
         torch.save(full, a.out / "weights.pt")
     if torch.distributed.is_initialized():

@@ -6,6 +6,7 @@ to the same weights as an uninterrupted run, and a rank that dies fails every ot
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -20,6 +21,7 @@ from glm5.model.presets import SHIPPED_MODEL
 from glm5.v1 import tito_pb2
 from glm5_trainer.distributed import World, split_by_tokens
 from glm5_trainer.policy import Policy
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.helpers.procs import free_port
@@ -127,6 +129,24 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
         per_rank = [sum(r["bytes"].values()) for r in ranks]
         assert max(per_rank) <= 1.1 * total / world, (world, per_rank, total)
     _check_published(tmp_path)
+
+
+def test_each_of_3_ranks_reads_only_its_rows_of_the_checkpoint(records: Path, tmp_path: Path) -> None:
+    """Built on the meta device and filled from the files: uneven shards (8 experts over 3 ranks, rows that do
+    not divide by 3) hold exactly transformers' loaded weights, and every byte of the checkpoint is read once, by
+    one rank (the small replicated buffers excepted), not once per rank."""
+    reference = Policy(SHIPPED_MODEL, dtype=torch.float64).model
+    assert _run(3, records, tmp_path / "loaded", "--steps", "0") == [0, 0, 0]
+    assert _max_diff(_weights(tmp_path / "loaded"), reference.state_dict()) == 0.0
+    with safe_open(str(SHIPPED_MODEL / "model.safetensors"), "pt") as f:
+        on_disk = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iteration
+        total = sum(math.prod(s.get_shape()) * 4 for s in on_disk.values())  # float32 on disk
+        assert {s.get_dtype() for s in on_disk.values()} == {"F32"}
+    parameters = {n for n, _ in reference.named_parameters()}
+    buffers = sum(b.numel() * 4 for n, b in reference.named_buffers() if n not in parameters and n in on_disk)
+    read = [r["read"] for r in _ranks(tmp_path / "loaded", 3)]
+    assert total <= sum(read) <= total + 2 * buffers, (read, total, buffers)
+    assert max(read) <= 0.4 * total, read  # a third, and a rank's extra expert (3 of 8)
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -123,6 +123,89 @@ def shard(model: nn.Module, device: torch.device, mixed_precision: bool | None =
     return model
 
 
+def build_sharded(path: Path, dtype: torch.dtype, device: torch.device, **extra: Any) -> tuple[Any, int]:
+    """transformers' GlmMoeDsaForCausalLM for `path`, built on the meta device, sharded over the world (`shard`)
+    and filled from the checkpoint with this rank's rows only: no rank ever holds the whole model, nor reads
+    more of the files than its shards (and the small replicated buffers). Returns (model, bytes read)."""
+    from transformers import AutoConfig, GlmMoeDsaForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None) or getattr(config, "tie_word_embeddings", False):
+        raise ConfigError(f"{path}: a sharded trainer loads float checkpoints with untied embeddings")
+    with torch.device("meta"):
+        model = GlmMoeDsaForCausalLM._from_config(config, dtype=dtype, **extra)  # type: ignore[no-untyped-call]
+    shard(model, device)
+    model.to_empty(device=device)
+    return model, load_own_shards(model, path)
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Each tensor name of a safetensors checkpoint (one file, or shards with an index) -> its file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return dict.fromkeys(f.keys(), path / "model.safetensors")
+
+
+def load_own_shards(model: nn.Module, path: Path) -> int:
+    """Copies the checkpoint at `path` into a sharded model whose storage is allocated but not set (to_empty):
+    for each parameter only the rows of dim 0 this rank holds (FSDP2 shards dim 0 as torch.chunk does), read
+    with safetensors' get_slice; stacked experts from the per-expert tensors on disk (`on_disk`'s inverse);
+    buffers whole; buffers a checkpoint does not store (RoPE frequencies) computed again from the config.
+    Returns the bytes read."""
+    from safetensors import safe_open
+
+    files = tensor_files(path)
+    handles: dict[Path, Any] = {}
+    read = 0
+
+    def rows(name: str, a: int, b: int | None) -> torch.Tensor:
+        nonlocal read
+        if name not in files:
+            raise ConfigError(f"{path}: the checkpoint has no tensor {name}")
+        f = handles.get(files[name]) or handles.setdefault(files[name], safe_open(str(files[name]), "pt"))
+        t: torch.Tensor = f.get_slice(name)[a:b]
+        read += t.numel() * t.element_size()
+        return t
+
+    def experts(prefix: str, part: str, a: int, b: int) -> torch.Tensor:
+        return torch.stack([rows(f"{prefix}.{e}.{part}.weight", 0, None) for e in range(a, b)])
+
+    config: Any = model.config
+    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            n = param.shape[0]
+            a = min(rank * math.ceil(n / size), n) if isinstance(param, DTensor) else 0
+            b = a + local.shape[0]
+            if name.endswith(".experts.gate_up_proj") and name not in files:
+                prefix = name.removesuffix(".gate_up_proj")
+                value = torch.cat([experts(prefix, "gate_proj", a, b), experts(prefix, "up_proj", a, b)], dim=1)
+            elif name.endswith(".experts.down_proj") and name not in files:
+                value = experts(name.removesuffix(".down_proj"), "down_proj", a, b)
+            else:
+                value = rows(name, a, b)
+            if value.shape != local.shape:
+                raise ConfigError(f"{path}: {name} rows {a}:{b} have shape {tuple(value.shape)}, the model's shard "
+                                  f"{tuple(local.shape)}")  # fmt: skip
+            local.copy_(value)
+        for module in model.modules():
+            own = dict(module.named_buffers(recurse=False))
+            missing = set(module._non_persistent_buffers_set) & set(own)
+            fresh = type(module)(config=config) if missing else None  # RoPE: computed from the config, not stored
+            for bname, buf in own.items():
+                if bname in missing:
+                    buf.copy_(getattr(fresh, bname))
+        for name, buf in model.named_buffers():
+            if name in files:
+                buf.copy_(rows(name, 0, None))
+    return read
+
+
 def all_sum(values: Sequence[float]) -> list[float]:
     """Sums a few numbers over the world (float64, one collective); in a world of one, the numbers."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -24,7 +24,7 @@ import torch
 from glm5.errors import ConfigError
 from glm5.v1 import tito_pb2
 
-from glm5_trainer.distributed import World, all_sum, init, shard, split_by_tokens
+from glm5_trainer.distributed import World, all_sum, build_sharded, init, split_by_tokens, tensor_files
 from glm5_trainer.loss import TrustRegion, group_advantages, policy_loss
 from glm5_trainer.stability import adaptive_clip, expert_balance_loss, router_entropy_loss, zero_nonfinite_grads
 
@@ -125,11 +125,13 @@ class Policy:
         transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call] # one bar per published version is noise
         # torch's grouped matmul (transformers' default for the experts) takes no float64: the tests' dtype
         extra: dict[str, Any] = {"experts_implementation": "eager"} if self.dtype == torch.float64 else {}
-        self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=self.dtype, **extra)
-        self.model.train()
         if self.world.size > 1:
             init(self.world, torch.device("cpu"))
-            shard(self.model, torch.device("cpu"))
+            self.model, self.loaded_bytes = build_sharded(self.path, self.dtype, torch.device("cpu"), **extra)
+        else:
+            self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=self.dtype, **extra)
+            self.loaded_bytes = sum(f.stat().st_size for f in set(tensor_files(self.path).values()))  # all of it
+        self.model.train()
         self.vocab_size = int(self.model.config.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=0.0,
                                            betas=(0.9, 0.98))  # fmt: skip

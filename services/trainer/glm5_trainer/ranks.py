@@ -91,5 +91,6 @@ class Ranks:
         self.policy.save_state(self.state_path, version)
 
     def _bytes_per_rank(self) -> list[dict[str, int]]:
-        out: list[dict[str, int]] = self.commands.gather(state_bytes(self.policy.model, self.policy.optimizer))
+        mine = {**state_bytes(self.policy.model, self.policy.optimizer), "checkpoint_read": self.policy.loaded_bytes}
+        out: list[dict[str, int]] = self.commands.gather(mine)
         return out
