@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from glm5.errors import ConfigError
-from glm5.model.loader import on_disk
+from glm5.model.loader import checkpoint_files, on_disk
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -139,17 +139,6 @@ def build_sharded(path: Path, dtype: torch.dtype, device: torch.device, **extra:
     return model, load_own_shards(model, path)
 
 
-def tensor_files(path: Path) -> dict[str, Path]:
-    """Each tensor name of a safetensors checkpoint (one file, or shards with an index) -> its file."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    from safetensors import safe_open
-
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        return dict.fromkeys(f.keys(), path / "model.safetensors")
-
-
 def load_own_shards(model: nn.Module, path: Path) -> int:
     """Copies the checkpoint at `path` into a sharded model whose storage is allocated but not set (to_empty):
     for each parameter only the rows of dim 0 this rank holds (FSDP2 shards dim 0 as torch.chunk does), read
@@ -158,16 +147,15 @@ def load_own_shards(model: nn.Module, path: Path) -> int:
     Returns the bytes read."""
     from safetensors import safe_open
 
-    files = tensor_files(path)
-    handles: dict[Path, Any] = {}
+    handles: dict[Path, Any] = {file: safe_open(str(file), "pt") for file in checkpoint_files(path)}
+    files = {name: file for file, handle in handles.items() for name in handle.keys()}  # noqa: SIM118
     read = 0
 
     def rows(name: str, a: int, b: int | None) -> torch.Tensor:
         nonlocal read
         if name not in files:
             raise ConfigError(f"{path}: the checkpoint has no tensor {name}")
-        f = handles.get(files[name]) or handles.setdefault(files[name], safe_open(str(files[name]), "pt"))
-        t: torch.Tensor = f.get_slice(name)[a:b]
+        t: torch.Tensor = handles[files[name]].get_slice(name)[a:b]
         read += t.numel() * t.element_size()
         return t
 

@@ -22,9 +22,10 @@ from typing import Any, cast
 
 import torch
 from glm5.errors import ConfigError
+from glm5.model.loader import checkpoint_files
 from glm5.v1 import tito_pb2
 
-from glm5_trainer.distributed import World, all_sum, build_sharded, init, split_by_tokens, tensor_files
+from glm5_trainer.distributed import World, all_sum, build_sharded, init, split_by_tokens
 from glm5_trainer.loss import TrustRegion, group_advantages, policy_loss
 from glm5_trainer.stability import adaptive_clip, expert_balance_loss, router_entropy_loss, zero_nonfinite_grads
 
@@ -130,7 +131,7 @@ class Policy:
             self.model, self.loaded_bytes = build_sharded(self.path, self.dtype, torch.device("cpu"), **extra)
         else:
             self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=self.dtype, **extra)
-            self.loaded_bytes = sum(f.stat().st_size for f in set(tensor_files(self.path).values()))  # all of it
+            self.loaded_bytes = sum(f.stat().st_size for f in checkpoint_files(self.path))  # all of it
         self.model.train()
         self.vocab_size = int(self.model.config.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=0.0,
