@@ -15,9 +15,9 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -89,6 +89,21 @@ class _NoBar(contextlib.nullcontext[None]):
         pass
 
 
+class TensorSource(Protocol):
+    """One checkpoint tensor as the loader reads it: its shape, safetensors dtype name and the part it needs."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor: ...
+
+
 class Lazy:
     """One checkpoint tensor, not read yet: `read(index)` reads only the indexed part."""
 
@@ -144,13 +159,35 @@ def load_model(
 ) -> GlmMoeDsaForCausalLM:
     """Builds the model of the checkpoint at `path` (this rank's shard under `tp`); `rope` replaces the
     checkpoint's RoPE parameters."""
-    path, device = Path(path), torch.device(device)
+    path = Path(path)
     config = ModelConfig.from_file(path)
     if rope is not None:
         config.rope = rope
     raw = json.loads((path / "config.json").read_text())
     quant = QuantConfig.from_config(raw.get("quantization_config"))
     files = checkpoint_files(path)
+    total = sum(f.stat().st_size for f in files)
+    return build_model(config, iter_tensors(files), _stored_dtypes(files), dtype, device, quant=quant, tp=tp,
+                       total_bytes=total, progress=progress, source=f"checkpoint {path}")  # fmt: skip
+
+
+def build_model(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, TensorSource]],
+    stored: dict[str, str],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    quant: QuantConfig | None = None,
+    tp: TensorParallel = SINGLE,
+    total_bytes: int = 0,
+    progress: bool | None = None,
+    source: str = "checkpoint",
+) -> GlmMoeDsaForCausalLM:
+    """The model of `config` (this rank's shard under `tp`) from checkpoint tensors under their on-disk names,
+    read one at a time in the order given (`stored`: every tensor's safetensors dtype, known up front because it
+    decides which layers are quantized). A file's tensors, or ones arriving over a weight-sync group."""
+    device = torch.device(device)
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(config, tp)
     model = model.to(dtype)
@@ -161,7 +198,6 @@ def load_model(
             indexer.weights_proj.float()
         if isinstance(layer.mlp, MoE):
             layer.mlp.gate.e_score_correction_bias = layer.mlp.gate.e_score_correction_bias.float()
-    stored = _stored_dtypes(files)
     _use_stored_formats(model, stored, quant, dtype)
     model = model.to_empty(device=device)
     params: dict[str, torch.Tensor] = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -170,14 +206,13 @@ def load_model(
     logical_shapes: dict[str, tuple[int, ...]] = {}  # compressed-tensors' weight_shape, by module
     skipped_mtp = 0
     unexpected: list[str] = []
-    total = sum(f.stat().st_size for f in files)
-    show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
+    show = progress if progress is not None else total_bytes >= PROGRESS_MIN_BYTES
     desc = "loading weights" if tp.size == 1 else f"loading weights (rank {tp.rank})"
     # built only when shown: any tqdm creates a multiprocessing lock, which a rank process that ends with
     # os._exit leaves behind for the resource tracker to warn about
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc) if show else _NoBar()
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc) if show else _NoBar()
     with torch.no_grad(), bar:
-        for stored_name, lazy in iter_tensors(files):
+        for stored_name, lazy in tensors:
             name = _canonical(stored_name, stored)
             bar.update(lazy.nbytes)  # scanned, whether this rank reads it all, a part or nothing
             layer_match = _LAYER.match(name)
@@ -225,7 +260,7 @@ def load_model(
         pending.discard("lm_head.weight")
     if pending:
         listed = ", ".join(sorted(pending)[:8])
-        raise CheckpointError(f"checkpoint {path} is missing {len(pending)} tensors: {listed}")
+        raise CheckpointError(f"{source} is missing {len(pending)} tensors: {listed}")
     if dtype == torch.bfloat16 and device.type == "cpu":
         for module in model.modules():
             if isinstance(module, Int4Linear | Experts):
@@ -405,7 +440,7 @@ def _load_expert(
     params: dict[str, torch.Tensor],
     expert_parts: dict[str, set[tuple[int, str]]],
     match: re.Match[str],
-    lazy: Lazy,
+    lazy: TensorSource,
     name: str,
     experts: Experts,
     tp: TensorParallel,

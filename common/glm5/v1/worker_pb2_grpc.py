@@ -80,6 +80,11 @@ class WorkerStub:
                 request_serializer=glm5_dot_v1_dot_worker__pb2.PushWeightsChunk.SerializeToString,
                 response_deserializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.SyncWeights = channel.unary_unary(
+                '/glm5.v1.Worker/SyncWeights',
+                request_serializer=glm5_dot_v1_dot_worker__pb2.SyncWeightsRequest.SerializeToString,
+                response_deserializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -158,6 +163,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncWeights(self, request, context):
+        """The same update with the tensors broadcast by the trainer over a collective group (no file anywhere): every
+        rank of this replica joins the group `group` at `rendezvous` (the trainer is rank 0, this replica's ranks
+        1..N), receives the manifest and then each bucket, and keeps the slices its layout holds; the replica swaps
+        as UpdateWeights does, all ranks or none. Answers once swapped (or refused).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +219,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'PushWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.PushWeights,
                     request_deserializer=glm5_dot_v1_dot_worker__pb2.PushWeightsChunk.FromString,
+                    response_serializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'SyncWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncWeights,
+                    request_deserializer=glm5_dot_v1_dot_worker__pb2.SyncWeightsRequest.FromString,
                     response_serializer=glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
@@ -450,6 +470,33 @@ class Worker:
             target,
             '/glm5.v1.Worker/PushWeights',
             glm5_dot_v1_dot_worker__pb2.PushWeightsChunk.SerializeToString,
+            glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/glm5.v1.Worker/SyncWeights',
+            glm5_dot_v1_dot_worker__pb2.SyncWeightsRequest.SerializeToString,
             glm5_dot_v1_dot_worker__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

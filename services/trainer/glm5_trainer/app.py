@@ -81,7 +81,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admin-token-env", help="environment variable holding that token")
     g.add_argument("--weights-transport", choices=TRANSPORTS, default=d.weights_transport,
                    help="path: the engines read each version from --checkpoint-dir (a volume they share); stream: "
-                   "its files are sent to them over gRPC (PushWeights; what the operator uses)")  # fmt: skip
+                   "its files are sent to them over gRPC (PushWeights); collective: the trainer's weights are "
+                   "broadcast in buckets over a gloo group per engine replica (SyncWeights), no file read")  # fmt: skip
+    g.add_argument(
+        "--sync-address",
+        default=d.sync_address,
+        help="collective: the address the engines reach this trainer's rendezvous at (its pod IP)",
+    )
+    g.add_argument("--sync-port", type=int, default=d.sync_port, help="collective: the rendezvous port (0: any)")
+    g.add_argument(
+        "--sync-bucket-bytes",
+        type=int,
+        default=d.sync_bucket_bytes,
+        help="collective: bytes broadcast at a time (what each engine rank holds beyond its shard)",
+    )
+    g.add_argument(
+        "--sync-timeout",
+        type=float,
+        default=d.sync_timeout_s,
+        help="collective: seconds the engines may take to join, and each bucket to arrive",
+    )
     r = p.add_argument_group("ranks: torchrun's flags (or run under torchrun / a PyTorchJob, which set RANK, "
                              "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")  # fmt: skip
     r.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks on this host (the policy is "
@@ -113,6 +132,8 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             progress=not a.no_progress,
             completion_file=Path(a.completion_file) if a.completion_file else None, tls=tls_from_args(a),
             admin_token=admin_token_from_args(a), weights_transport=a.weights_transport,
+            sync_address=a.sync_address, sync_port=a.sync_port, sync_bucket_bytes=a.sync_bucket_bytes,
+            sync_timeout_s=a.sync_timeout,
             internal_token=internal_token_from_args(a),
         )  # fmt: skip
     except ValueError as exc:

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import logging
@@ -35,6 +36,7 @@ from glm5.rl.samples import oldest_version, select
 from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
 from glm5.serving import resolve_service
+from glm5.tokenizer import Tokenizer
 from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
 from glm5_trainer.distributed import World
@@ -44,6 +46,7 @@ from glm5_trainer.outputs import write_outputs
 from glm5_trainer.policy import Policy, StepStats
 from glm5_trainer.ranks import Ranks
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
+from glm5_trainer.sync import DEFAULT_BUCKET_BYTES, CollectiveSync, sync_engines
 from glm5_trainer.versions import TRANSPORTS, WeightVersions, steps_recorded, sync_workers
 
 log = logging.getLogger(__name__)
@@ -88,7 +91,12 @@ class RLConfig:
     tls: TlsConfig = NO_TLS  # to the gateway and the engines (mutual TLS when it has a CA)
     admin_token: Secret | None = None  # sent with UpdateWeights (the engines' --admin-token-*)
     internal_token: Secret | None = None  # sent with every call to the engines (their --internal-token-*)
-    weights_transport: str = "path"  # versions.TRANSPORTS: the engines read out/ (shared), or get it streamed
+    weights_transport: str = "path"  # versions.TRANSPORTS: the engines read out/ (shared), get it streamed, or
+    # receive it over a collective group from the trainer's memory
+    sync_address: str = "127.0.0.1"  # collective: where the engines reach rank 0's rendezvous (its pod IP)
+    sync_port: int = 0  # 0: any free port
+    sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    sync_timeout_s: float = 120.0  # a group's join and each bucket's broadcast
 
     def __post_init__(self) -> None:
         problems = []
@@ -98,6 +106,8 @@ class RLConfig:
             problems.append(f"mode must be one of {MODES}")
         if self.weights_transport not in TRANSPORTS:
             problems.append(f"weights_transport must be one of {TRANSPORTS}")
+        if self.sync_bucket_bytes < 1 << 20 or self.sync_timeout_s <= 0 or not 0 <= self.sync_port < 65536:
+            problems.append("sync_bucket_bytes >= 1 MiB, sync_timeout_s > 0, sync_port a port (0: any)")
         if not self.engines and not self.engine_dns:
             problems.append("rollout engines are needed (engines or engine_dns) to sync weights and evaluate")
         for name in ("group_size", "groups_per_step", "max_inflight_groups", "max_new_tokens"):
@@ -205,6 +215,8 @@ class RLRun:
         self.phase = "starting"  # starting, evaluating, training, finishing, done
         self.last_sync_time: str | None = None  # when a version last reached the engines (UTC, RFC 3339)
         self.pushed_version: int | None = None  # the version the engines serve (None: not asked yet)
+        self.engine_ranks: dict[str, int] = {}  # each live engine's tensor-parallel size (GetModelInfo)
+        self._collective: CollectiveSync | None = None
 
     def progress(self) -> dict[str, Any]:
         """What GET /status reports (the RLJob's status follows it)."""
@@ -340,6 +352,7 @@ class RLRun:
             try:
                 async with WorkerClient(address, self.c.tls, self.c.internal_token) as client:
                     info = await client.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+                self.engine_ranks[address] = max(1, int(info.tensor_parallel_size))
                 return address, int(info.weight_version)
             except grpc.aio.AioRpcError as exc:
                 log.warning("rollout engine %s does not answer (%s): skipped", address, exc.code().name)
@@ -357,21 +370,25 @@ class RLRun:
         the next one (the samples it makes meanwhile carry its old version and the staleness filter sees it)."""
         version = self.versions.synced
         engines = list(await self.live_engines())
-        results = await asyncio.gather(
-            *(
-                sync_workers(
-                    [e],
-                    version,
-                    path,
-                    tls=self.c.tls,
-                    admin_token=self.c.admin_token,
-                    transport=self.c.weights_transport,
-                    internal_token=self.c.internal_token,
-                )
-                for e in engines
-            ),
-            return_exceptions=True,
-        )
+        results: list[dict[str, float] | BaseException]
+        if self.c.weights_transport == "collective":
+            results = await self._sync_collective(engines, version)
+        else:
+            results = await asyncio.gather(
+                *(
+                    sync_workers(
+                        [e],
+                        version,
+                        path,
+                        tls=self.c.tls,
+                        admin_token=self.c.admin_token,
+                        transport=self.c.weights_transport,
+                        internal_token=self.c.internal_token,
+                    )
+                    for e in engines
+                ),
+                return_exceptions=True,
+            )
         times = []
         for address, r in zip(engines, results, strict=True):
             if isinstance(r, BaseException):
@@ -384,6 +401,19 @@ class RLRun:
         self.sync_seconds.append(max(times))
         self.pushed_version = version
         self.last_sync_time = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    async def _sync_collective(self, engines: list[str], version: int) -> list[dict[str, float] | BaseException]:
+        if self._collective is None:
+            self._collective = CollectiveSync(self.c.sync_address, self.c.sync_port, self.c.sync_timeout_s,
+                                              self.c.sync_bucket_bytes)  # fmt: skip
+        targets = {e: self.engine_ranks.get(e, 1) for e in engines}
+        return await sync_engines(self.ranks, self._collective, targets, version, self.policy_fingerprint,
+                                  self.c.tls, self.c.admin_token, self.c.internal_token)  # fmt: skip
+
+    @functools.cached_property
+    def policy_fingerprint(self) -> str:
+        """The policy's tokenizer, which an engine must serve to take a sync (ids would change meaning)."""
+        return Tokenizer(self.c.policy).fingerprint if (self.c.policy / "tokenizer.json").is_file() else ""
 
     # -- the loop ---------------------------------------------------------------------------------------
 

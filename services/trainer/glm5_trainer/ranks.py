@@ -9,6 +9,7 @@ In a world of one nothing is broadcast: the calls are the policy's and the versi
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from glm5.v1 import tito_pb2
 
 from glm5_trainer.distributed import Commands, World, state_bytes
 from glm5_trainer.policy import Policy, StepStats
+from glm5_trainer.sync import CollectiveSync, gathered, manifest, send_weights
 from glm5_trainer.versions import WeightVersions
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,17 @@ class Ranks:
 
     def save_state(self, version: int) -> None:
         self._run("save_state", version)
+
+    def sync_weights(self, sync: CollectiveSync, version: int,
+                     targets: dict[str, tuple[str, int, threading.Event]]) -> dict[str, str]:  # fmt: skip
+        """The current weights over a collective group per engine (glm5_trainer.sync): rank 0 opens the groups
+        first (the others need not wait on it), then every rank gathers while rank 0 broadcasts. Returns the
+        engines whose group failed, with the error."""
+        groups, failed = sync.open(targets)
+        plan = manifest(self.policy.model, version, sync.bucket_bytes)
+        self.commands.send("gather_weights")
+        failed.update(send_weights(self.policy.model, plan, groups))
+        return failed
 
     def restore(self, version: int) -> bool:
         """The optimizer state saved with `version` (False: none, a fresh optimizer). Every rank calls this
@@ -86,6 +99,10 @@ class Ranks:
     def _publish(self, latest: int, steps: int) -> Path:
         self.versions.latest, self.versions.steps = latest, steps  # rank 0 may have renumbered (adopt_engines)
         return self.versions.publish()
+
+    def _gather_weights(self) -> None:
+        for _ in gathered(self.policy.model):
+            pass
 
     def _save_state(self, version: int) -> None:
         self.policy.save_state(self.state_path, version)

@@ -114,7 +114,7 @@ def steps_recorded(checkpoint: Path) -> int | None:
     return steps if isinstance(steps, int) and steps >= 0 else None
 
 
-TRANSPORTS = ("path", "stream")
+TRANSPORTS = ("path", "stream", "collective")  # collective: glm5_trainer.sync
 PUSH_CHUNK_BYTES = 4 << 20  # the worker's per-message limit (glm5_worker.server.push.MAX_CHUNK_BYTES)
 
 

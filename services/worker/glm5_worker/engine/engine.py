@@ -35,6 +35,7 @@ from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from glm5_worker.engine.sparsity import SparsityController
 from glm5_worker.engine.structured import Grammars
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
+from glm5_worker.engine.weights import WeightSource
 from glm5_worker.kv.block_manager import BlockManager, KVStats
 from glm5_worker.parallel.driver import ReplicaDriver, start_replica
 from glm5_worker.parallel.replica import ReplicaFailure
@@ -270,10 +271,10 @@ class Engine:
         return self.scheduler.has_work
 
     # weights ------------------------------------------------------------------------------------------------
-    def start_weight_update(self, location: str) -> None:
-        """Tells the other ranks to start reading their shards of `location` (rank 0 reads its own meanwhile)."""
+    def start_weight_update(self, source: WeightSource) -> None:
+        """Tells the other ranks to start reading their shards from `source` (rank 0 reads its own meanwhile)."""
         if self.replica is not None:
-            self.replica.load_weights(location, self.tokenizer.fingerprint)
+            self.replica.load_weights(source, self.tokenizer.fingerprint)
 
     def swap_weights(
         self, new_model: GlmMoeDsaForCausalLM | None, version: int, failure: Exception | None = None

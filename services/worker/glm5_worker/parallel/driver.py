@@ -20,6 +20,7 @@ from glm5.parallel import CommStats, TensorParallel
 
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.model_runner import RankMemory, StepPlan
+from glm5_worker.engine.weights import WeightSource
 from glm5_worker.parallel.follower import STOP_WAIT_S, WeightsOutcome, spawn_followers
 from glm5_worker.parallel.protocol import LoadWeights, Message, Stats, Step, Stop, SwapWeights, Tick
 from glm5_worker.parallel.replica import (
@@ -75,8 +76,8 @@ class ReplicaDriver:
         self._send(Stats())
         return self._call(self.replica.channel.gather, mine)  # type: ignore[no-any-return]
 
-    def load_weights(self, location: str, tokenizer_fingerprint: str) -> None:
-        self._send(LoadWeights(location, tokenizer_fingerprint))
+    def load_weights(self, source: WeightSource, tokenizer_fingerprint: str) -> None:
+        self._send(LoadWeights(source, tokenizer_fingerprint))
 
     def agree_weights(self, version: int, mine: WeightsOutcome) -> list[WeightsOutcome]:
         """Every rank's read outcome (rank 0's first); each rank swaps only if all of them read fine."""

@@ -23,7 +23,7 @@ from glm5.serving import freeze_heap
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.model_runner import ModelRunner
 from glm5_worker.engine.threads import in_own_thread
-from glm5_worker.engine.weights import read_checkpoint
+from glm5_worker.engine.weights import read_weights
 from glm5_worker.parallel.protocol import LoadWeights, Stats, Step, Stop, SwapWeights, Tick
 from glm5_worker.parallel.replica import Replica, join, rank_of, rendezvous
 from glm5_worker.resolved import ResolvedConfig, resolve
@@ -50,7 +50,7 @@ class Follower:
                 if msg.demotions:
                     self.runner.demote(msg.demotions)
             elif isinstance(msg, LoadWeights):
-                read = functools.partial(read_checkpoint, msg.location, self.rc.model, self.rc.dtype,
+                read = functools.partial(read_weights, msg.source, self.rc.model, self.rc.dtype,
                                          self.runner.device, msg.tokenizer_fingerprint, self.replica.tp)  # fmt: skip
                 # a thread that ends with the read: a live thread that ran torch slows every step (threads.py)
                 self._reading = in_own_thread(read, "glm5-weights")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from glm5_worker.engine.model_runner import StepPlan
+from glm5_worker.engine.weights import WeightSource
 
 
 @dataclass(slots=True)
@@ -21,9 +22,9 @@ class Tick:
 
 @dataclass(slots=True)
 class LoadWeights:
-    """Start reading this rank's shard of a new checkpoint in the background (steps go on meanwhile)."""
+    """Start reading this rank's shard of new weights in the background (steps go on meanwhile)."""
 
-    location: str
+    source: WeightSource
     tokenizer_fingerprint: str
 
 

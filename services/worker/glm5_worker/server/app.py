@@ -49,6 +49,7 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 ADMIN_METHODS = (
     f"/{SERVICE_NAME}/UpdateWeights",
     f"/{SERVICE_NAME}/PushWeights",
+    f"/{SERVICE_NAME}/SyncWeights",
 )  # the RPCs that change what the worker serves
 LOST_LINGER_S = 2.0
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")

@@ -16,13 +16,14 @@ import grpc
 from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
 from glm5.serving import STREAM_ACCEPTED_KEY, RequestFailed, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from glm5.weight_sync import GROUP_NAME, split_address
 
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped, ReplicaLost
 from glm5_worker.engine.engine import EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
 from glm5_worker.engine.structured import OutputFormat
 from glm5_worker.engine.threads import in_own_thread
-from glm5_worker.engine.weights import read_checkpoint
+from glm5_worker.engine.weights import SyncSpec, WeightSource, read_weights
 from glm5_worker.parallel.replica import ReplicaFailure
 from glm5_worker.server.push import receive_push
 
@@ -302,6 +303,34 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:  # the weights are in memory now (or refused): the staged copy is not needed
             await asyncio.to_thread(shutil.rmtree, staged, True)
 
+    async def SyncWeights(
+        self, request: worker_pb2.SyncWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.UpdateWeightsResponse:
+        if self.weights_root is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "this worker takes no weight updates: start it with --weights-root")  # fmt: skip
+        try:
+            spec = self.sync_spec(request)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return await self._update(request.version, spec, context)
+
+    def sync_spec(self, request: worker_pb2.SyncWeightsRequest) -> SyncSpec:
+        eng = self.engine.engine
+        try:
+            split_address(request.rendezvous)
+        except ValueError as exc:
+            raise InvalidRequestError("rendezvous", str(exc)) from None
+        if not GROUP_NAME.match(request.group):
+            raise InvalidRequestError("group", "1-160 letters, digits, '.', '_', '/' or '-'")
+        if request.world_size != 1 + eng.tp.size:
+            raise InvalidRequestError("world_size", f"must be 1 + this replica's {eng.tp.size} ranks")
+        timeout = request.timeout_seconds or eng.config.collective_timeout_s
+        if not 0 < timeout <= 3600:
+            raise InvalidRequestError("timeout_seconds", "must be in (0, 3600]")
+        return SyncSpec(request.version, request.rendezvous, request.group, request.world_size, timeout,
+                        self.max_push_bytes, request.tokenizer_fingerprint)  # fmt: skip
+
     @functools.cached_property
     def max_push_bytes(self) -> int:
         """What one push may declare: a few times the served weights (a float32 checkpoint of bf16 weights is
@@ -315,7 +344,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise _NotNewer(f"version: must be greater than the served {served}, got {version}")
 
     async def _update(
-        self, version: int, location: str, context: grpc.aio.ServicerContext
+        self, version: int, source: WeightSource, context: grpc.aio.ServicerContext
     ) -> worker_pb2.UpdateWeightsResponse:
         eng = self.engine.engine
         async with self._weights_lock:  # one update at a time; versions stay ordered
@@ -325,10 +354,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             start = time.perf_counter()
             # the other ranks read their shards meanwhile; all swap, or none does
-            await self.engine.run(functools.partial(eng.start_weight_update, location))
+            await self.engine.run(functools.partial(eng.start_weight_update, source))
             new, failure = None, None
             try:
-                read = functools.partial(read_checkpoint, location, eng.model_config, eng.dtype, eng.device,
+                read = functools.partial(read_weights, source, eng.model_config, eng.dtype, eng.device,
                                          eng.tokenizer.fingerprint, eng.tp)  # fmt: skip
                 # a thread that ends with the read: a live executor thread that ran torch slows every step
                 new = await asyncio.wrap_future(in_own_thread(read, "glm5-weights"))
@@ -340,10 +369,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except (CheckpointError, ConfigError) as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"location: {exc}")
+                where = "location" if isinstance(source, str) else "sync"
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{where}: {exc}")
             except ReplicaFailure as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        log.info("weights v%d from %s: read %.2fs, swap %.3fs", version, location, load_s, swap_s)
+        where = source if isinstance(source, str) else f"the trainer's group {source.group}"
+        log.info("weights v%d from %s: read %.2fs, swap %.3fs", version, where, load_s, swap_s)
         return worker_pb2.UpdateWeightsResponse(version=version, load_seconds=load_s, swap_seconds=swap_s)
 
     async def GetTokenizer(
