@@ -5,7 +5,8 @@ One group per replica and sync, rendezvoused through a TCP store the trainer's r
 rank 0, the replica's ranks 1..N. The trainer first broadcasts the manifest (JSON: the tensors' on-disk names,
 shapes and dtypes, bucket by bucket; never pickle, which would run a peer's code), then each bucket as one
 flat byte buffer. Each engine rank unpacks a bucket into views and hands them to the loader, which copies the
-slices this rank's tensor/expert-parallel layout holds, so a rank holds its shard plus one bucket.
+slices this rank's tensor/expert-parallel layout holds, so a rank holds its shard plus two buckets (one
+arriving, one being read).
 
 gloo carries the bytes (host tensors, over TCP). A root that dies closes its sockets and every receiver's wait
 fails at once; a silent one is bounded by the group's timeout.
@@ -201,11 +202,14 @@ class Sender:
 def send(groups: dict[str, Any], manifest: Manifest, buckets: Iterator[Sequence[torch.Tensor]]) -> dict[str, str]:
     """Broadcasts the manifest, then every bucket (its tensors in manifest order), to every group at once.
     A group that fails is dropped and the rest go on; returns the failed groups' errors. `buckets` is consumed
-    whole even when every group failed (the trainer's ranks gather each bucket together)."""
+    whole even when every group failed (the trainer's ranks gather each bucket together).
+
+    Two buffers, reused: bucket k goes out in the background (gloo's own threads) while bucket k+1 is gathered
+    and packed, so the trainer's gathers and the engines' receives overlap; at most two buckets in memory."""
     header = manifest.to_bytes()
     failed: dict[str, str] = {}
 
-    def broadcast(tensor: torch.Tensor) -> None:
+    def start(tensor: torch.Tensor) -> dict[str, Any]:
         works = {}
         for key, pg in groups.items():
             if key not in failed:
@@ -213,20 +217,32 @@ def send(groups: dict[str, Any], manifest: Manifest, buckets: Iterator[Sequence[
                     works[key] = pg.broadcast(tensor, 0)
                 except RuntimeError as exc:
                     failed[key] = str(exc)
+        return works
+
+    def finish(works: dict[str, Any]) -> None:
         for key, work in works.items():
             try:
                 work.wait()
             except RuntimeError as exc:
-                failed[key] = str(exc)
+                failed.setdefault(key, str(exc))
 
-    broadcast(torch.tensor([len(header)], dtype=torch.int64))
-    broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    for specs, tensors in zip(manifest.buckets, buckets, strict=True):
+    finish(start(torch.tensor([len(header)], dtype=torch.int64)))
+    finish(start(torch.frombuffer(bytearray(header), dtype=torch.uint8)))
+    largest = max((layout(b)[1] for b in manifest.buckets), default=0)
+    buffers: list[torch.Tensor] = []
+    pending: list[dict[str, Any]] = [{}, {}]
+    for k, (specs, tensors) in enumerate(zip(manifest.buckets, buckets, strict=True)):
+        slot = k % 2
+        finish(pending[slot])  # the buffer's previous bucket has left
+        if len(buffers) <= slot:
+            buffers.append(torch.empty(largest, dtype=torch.uint8))
         offsets, size = layout(specs)
-        flat = torch.zeros(size, dtype=torch.uint8)
+        flat = buffers[slot][:size]
         for t, spec, at in zip(tensors, specs, offsets, strict=True):
             flat[at : at + spec.nbytes] = _bytes_of(t, spec)
-        broadcast(flat)
+        pending[slot] = start(flat)
+    for works in pending:
+        finish(works)
     return failed
 
 
@@ -239,7 +255,7 @@ def _bytes_of(tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
 
 class Receiver:
     """An engine rank's side: joins the group as `rank`, reads the manifest; `tensors()` then yields each
-    tensor as its bucket arrives (one bucket in memory at a time)."""
+    tensor as its bucket arrives (two buckets in memory at a time)."""
 
     def __init__(self, rendezvous: str, group: str, rank: int, size: int, timeout_s: float,
                  max_bytes: int, max_bucket_bytes: int = MAX_BUCKET_BYTES) -> None:  # fmt: skip
@@ -263,16 +279,29 @@ class Receiver:
             raise CheckpointError(f"weight sync: {self.manifest.nbytes} bytes is over this worker's {max_bytes}")
 
     def tensors(self) -> Iterator[tuple[str, Received]]:
-        for bucket in self.manifest.buckets:
-            offsets, size = layout(bucket)
-            flat = torch.empty(size, dtype=torch.uint8)
+        """Each tensor as a view of its bucket's buffer. The next bucket's receive is posted before this one's
+        tensors are handed out, so the network and the loader's copies overlap (two buckets in memory); a
+        buffer is never reused, since the loader may keep views of it until a layer is whole."""
+        buckets = self.manifest.buckets
+        posted = self._post(buckets[0]) if buckets else None
+        for k, bucket in enumerate(buckets):
+            assert posted is not None
+            flat, work = posted
             try:
-                self._pg.broadcast(flat, 0).wait()
+                work.wait()
             except RuntimeError as exc:
                 raise CheckpointError(f"weight sync: the sender stopped mid-way: {exc}") from exc
-            for spec, at in zip(bucket, offsets, strict=True):
+            posted = self._post(buckets[k + 1]) if k + 1 < len(buckets) else None
+            for spec, at in zip(bucket, layout(bucket)[0], strict=True):
                 part = flat[at : at + spec.nbytes].view(DTYPES[spec.dtype]).reshape(spec.shape)
                 yield spec.name, Received(part)
+
+    def _post(self, bucket: Sequence[TensorSpec]) -> tuple[torch.Tensor, Any]:
+        flat = torch.empty(layout(bucket)[1], dtype=torch.uint8)
+        try:
+            return flat, self._pg.broadcast(flat, 0)
+        except RuntimeError as exc:
+            raise CheckpointError(f"weight sync: the sender stopped mid-way: {exc}") from exc
 
     def close(self) -> None:
         """Leaves the group (a sender still broadcasting to it fails at once instead of timing out)."""

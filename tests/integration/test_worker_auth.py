@@ -72,6 +72,7 @@ def _call(stub: worker_pb2_grpc.WorkerStub, name: str, metadata: tuple[tuple[str
         "GetStats": worker_pb2.GetStatsRequest(),
         "GetModelInfo": worker_pb2.GetModelInfoRequest(),
         "UpdateWeights": worker_pb2.UpdateWeightsRequest(version=9, location="missing"),
+        "SyncWeights": worker_pb2.SyncWeightsRequest(version=9, rendezvous="127.0.0.1:1", group="g", world_size=2),
     }
     return getattr(stub, name)(requests[name], **kw)
 
@@ -125,9 +126,10 @@ def test_health_checks_stay_open_and_the_token_opens_the_rest(worker: dict[str, 
         assert _call(stub, "GenerateStream", TOKEN)[-1].responses[-1].response.finish_reason
         assert {"glm5.v1.Worker", "grpc.health.v1.Health"} <= _reflect(channel, TOKEN)
         # the admin RPCs keep their own check on top
-        with pytest.raises(grpc.RpcError) as err:
-            _call(stub, "UpdateWeights", TOKEN)
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        for name in ("UpdateWeights", "SyncWeights"):
+            with pytest.raises(grpc.RpcError) as err:
+                _call(stub, name, TOKEN)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
         with pytest.raises(grpc.RpcError) as err:
             _call(stub, "UpdateWeights", (*TOKEN, ("x-glm5-admin-token", ADMIN_TOKEN.value)))
         assert err.value.code() != grpc.StatusCode.PERMISSION_DENIED  # past both checks: the location is missing

@@ -3,8 +3,8 @@
 Rank 0 hosts the rendezvous store and roots one group per engine replica and sync. Every trainer rank walks the
 policy's state dict in one order and gathers each sharded entry (a DTensor's full_tensor, a collective they all
 join); rank 0 alone keeps it, under its on-disk names (experts split per expert, as published), packs it into
-the current bucket and broadcasts each full bucket to every group. So rank 0 holds one bucket plus the entry
-being gathered, never the whole model, and no file is written or read.
+the current bucket and broadcasts each full bucket to every group while the next is gathered. So rank 0 holds
+two buckets plus the entry being gathered, never the whole model, and no file is written or read.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ async def sync_engines(ranks: Ranks, sync: CollectiveSync, engines: dict[str, in
     """Rank 0: the current weights to every engine ({address: its tensor-parallel size}) over a group each,
     while each engine's SyncWeights call waits for its replica to swap. Per engine, in order: its wall seconds,
     or the error its call ended with (one engine's failure leaves the others' syncs alone)."""
-    tag = f"glm5-sync/{secrets.token_hex(8)}/v{version}"  # unguessable: only the engines called join
+    tag = f"glm5-sync/{secrets.token_hex(16)}/v{version}"  # unguessable: only the engines called join
     targets = {e: (f"{tag}/{i}", 1 + tp, threading.Event()) for i, (e, tp) in enumerate(engines.items())}
 
     async def call(engine: str) -> dict[str, float]:

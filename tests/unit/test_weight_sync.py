@@ -1,0 +1,63 @@
+"""glm5.weight_sync's wire format: what a receiver accepts from a peer, and how buckets are laid out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from glm5.errors import CheckpointError
+from glm5.weight_sync import DTYPES, Manifest, Received, TensorSpec, layout, plan_buckets, split_address
+
+
+def _specs() -> list[TensorSpec]:
+    return [TensorSpec("a", (3, 5), "BF16"), TensorSpec("b", (7,), "F32"), TensorSpec("c", (1, 3), "F16"),
+            TensorSpec("d", (1000,), "F32")]  # fmt: skip
+
+
+def test_manifest_round_trip_and_buckets() -> None:
+    buckets = plan_buckets(_specs(), bucket_bytes=60)
+    assert [[t.name for t in b] for b in buckets] == [["a", "b"], ["c"], ["d"]]  # d (4000 B) travels alone
+    m = Manifest(3, buckets)
+    assert Manifest.from_bytes(m.to_bytes()) == m
+    assert m.nbytes == 30 + 28 + 6 + 4000 and m.dtypes()["c"] == "F16"
+
+
+def test_every_tensor_is_an_aligned_view_whatever_came_before() -> None:
+    bucket = _specs()
+    offsets, size = layout(bucket)
+    assert all(o % 8 == 0 for o in offsets) and size >= sum(t.nbytes for t in bucket)
+    flat = torch.zeros(size, dtype=torch.uint8)
+    values = [torch.randn(t.shape).to(DTYPES[t.dtype]) for t in bucket]
+    for v, t, at in zip(values, bucket, offsets, strict=True):
+        flat[at : at + t.nbytes] = v.reshape(-1).view(torch.uint8)
+    for v, t, at in zip(values, bucket, offsets, strict=True):
+        got = Received(flat[at : at + t.nbytes].view(DTYPES[t.dtype]).reshape(t.shape))
+        assert torch.equal(got.read(), v) and got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.read((slice(0, 1),)), v[:1])
+
+
+@pytest.mark.parametrize(
+    ("buckets", "message"),
+    [
+        ([[["w", [2], "I64"]]], "dtype"),  # only float weights travel
+        ([[["w", [2], "F32"], ["w", [2], "F32"]]], "repeated"),
+        ([[["../w", [2], "F32"]]], "bad"),
+        ([[["w", [-1], "F32"]]], "shape"),
+        ([[["w", [1 << 20, 1 << 12], "F32"]]], "limit"),  # 16 GiB in one bucket: refused before any allocation
+        ("nope", "malformed"),
+    ],
+)
+def test_a_peers_manifest_is_checked(buckets: object, message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        Manifest.from_bytes(json.dumps({"version": 1, "buckets": buckets}).encode())
+    with pytest.raises(CheckpointError, match="malformed"):
+        Manifest.from_bytes(b"\x80not json")
+
+
+def test_split_address() -> None:
+    assert split_address("10.0.0.1:29600") == ("10.0.0.1", 29600)
+    assert split_address("[fd00::1]:5") == ("fd00::1", 5)
+    for bad in ("10.0.0.1", ":5", "h:0", "h:x", "h:70000"):
+        with pytest.raises(ValueError):
+            split_address(bad)
