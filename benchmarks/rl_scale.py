@@ -13,13 +13,13 @@ gradient + AdamW bytes (which sharding divides by the world). The machine has 2 
 Sync: one `glm5 worker` (eager, float32) serves the model; a trainer of --trainer-ranks ranks holds the same
 model. After a warm-up sync by each transport (not counted), per round and transport one new version reaches
 the worker and is swapped in:
-- collective: glm5_trainer.sync (every trainer rank gathers, rank 0 broadcasts buckets over a gloo group, the
-  worker builds its shard from each bucket: no file);
+- collective: glm5_trainer.sync (every trainer rank sends the worker its own rows of each bucket over a gloo
+  group, the worker builds its shard from each bucket: no file, nothing gathered);
 - path: the ranks publish actor_synced (safetensors, each rank its files) and the worker reads it (UpdateWeights);
 - stream: the same published files sent over gRPC (PushWeights), staged, checked and read by the worker.
 Medians over rounds; the ratios are path / collective and stream / collective. Peak memory: trainer rank 0's
-ru_maxrss growth over its first sync (collective) against the model's bytes (it holds two buckets and one
-gathered entry, not the model), and the worker's peak RSS against its weights.
+ru_maxrss growth over its first sync (collective) against the model's bytes (it holds two segments of a bucket,
+not the model), and the worker's peak RSS against its weights.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def rank_main(a: argparse.Namespace) -> None:
         return
     admin, internal = Secret(os.environ["GLM5_BENCH_ADMIN_TOKEN"]), Secret(os.environ["GLM5_BENCH_INTERNAL_TOKEN"])
     sync = CollectiveSync("127.0.0.1", 0, timeout_s=600, bucket_bytes=a.bucket_mib << 20)
-    nbytes = manifest(policy.model, 0, sync.bucket_bytes).nbytes
+    nbytes = manifest(policy.model, 0, sync.bucket_bytes, world.size).nbytes
     fingerprint = Tokenizer(a.model).fingerprint
     times: dict[str, list[float]] = {"collective": [], "path": [], "path, from disk": [], "stream": []}
     if not os.access("/proc/sys/vm/drop_caches", os.W_OK):

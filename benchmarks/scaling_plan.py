@@ -15,6 +15,11 @@ Usage:
   python benchmarks/scaling_plan.py --config CKPT/config.json --device cpu --tp 2 --step-overhead-ms 3.1 \
       --collective-us 450 --kv-dtype float32 --weights float32     # predict a measured CPU run
   python benchmarks/scaling_plan.py --smoke     # the three above (the third on the shipped demo model's config)
+  python benchmarks/scaling_plan.py --train      # the RL trainer: bytes per device at 64/128/256 devices, sync time
+
+--train: the trainer's memory per device for the policy sharded over N devices (FSDP2, glm5_trainer.distributed)
+with AdamW, at a stated micro-batch, and the time one weight version takes to reach an engine replica by the
+collective transport at the network's bandwidth against the stream transport's measured rate.
 
 Device numbers are public spec-sheet figures (see DEVICES); override any of them with --memory-gib, --hbm-gbps,
 --link-gbps, --collective-us. Upper bounds, not predictions of a particular kernel's speed.
@@ -171,6 +176,102 @@ def plan(c: dict[str, Any], dev: Device, n: int, batch: int, context: int, weigh
     return rows
 
 
+# The network a device's trainer rank sends its weight-sync bytes over (GB/s per device, one direction): 910B
+# servers have a 200 Gb/s RoCE port per NPU, H200 servers a 400 Gb/s InfiniBand port per GPU.
+SYNC_GBPS = {"910b-64g": 25.0, "h200": 50.0, "cpu": 0.75}
+# benchmarks/rl_scale.py on this machine (docs/benchmarks.md): the stream transport's rate (gRPC, staged to disk)
+STREAM_GBPS = 0.15
+
+
+@dataclass(frozen=True)
+class TrainBytes:
+    sharded: float  # parameters + gradients + AdamW moments, this device's 1/N
+    working: float  # the unsharded layers FSDP2 all-gathers around the one computing (and its gradients)
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.sharded + self.working + self.activations
+
+
+def layer_params(c: dict[str, Any], p: Parts) -> tuple[float, float]:
+    """(the largest decoder layer's parameters, of which routed experts): FSDP2's unit is one layer."""
+    L = c["num_hidden_layers"]
+    moe = L - min(c.get("first_k_dense_replace", 0), L)
+    per_layer_common = (p.attn_split + p.attn_replicated + p.indexer_linear + p.indexer_other + p.norms) / L
+    routed = p.routed_experts / max(1, moe)
+    shared = p.shared_experts / max(1, moe) + p.router / max(1, moe)
+    return per_layer_common + routed + shared, routed
+
+
+def train_bytes(c: dict[str, Any], p: Parts, n: int, tokens: int, state_bytes: float, expert_parallel: bool,
+                checkpointing: bool = True) -> TrainBytes:  # fmt: skip
+    """One device's bytes for training with the policy sharded over n devices.
+
+    - sharded: every parameter's `state_bytes` (ours: a float32 parameter, float32 gradient and two float32
+      AdamW moments = 16; bf16 parameters and gradients with float32 moments = 12) over n;
+    - working: FSDP2 all-gathers a layer's parameters in bf16 before computing it and prefetches the next (2
+      layers x 2 bytes), and holds that layer's unsharded gradients in float32 for the reduce-scatter (4 bytes).
+      With expert parallelism (experts partitioned over the devices, tokens sent to them by all-to-all, as
+      slime/Megatron train GLM-5) the routed experts are never all-gathered: only the rest of the layer is;
+    - activations (bf16, per micro-batch of `tokens`): with activation checkpointing every layer keeps its input
+      (tokens x hidden) and one layer is recomputed at a time (its attention and MLP intermediates, the routed
+      experts' for top-k of them); plus the logits in float32 (tokens x vocabulary, the loss's log-softmax).
+    """
+    layer, routed = layer_params(c, p)
+    gathered = layer - routed if expert_parallel else layer
+    working = gathered * (2 * 2 + 4)
+    h, L = c["hidden_size"], c["num_hidden_layers"]
+    heads = c["num_attention_heads"]
+    attn = heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]) + heads * (c["qk_nope_head_dim"] + c["v_head_dim"])
+    attn += heads * c["v_head_dim"] + c["q_lora_rank"] + c["kv_lora_rank"] + c["index_n_heads"] * c["index_head_dim"]
+    mlp = c["num_experts_per_tok"] * 3 * c["moe_intermediate_size"] + 3 * c["moe_intermediate_size"]
+    one_layer = tokens * (attn + mlp + 4 * h) * 2
+    kept = L * tokens * h * 2 if checkpointing else L * one_layer
+    logits = tokens * c["vocab_size"] * 4
+    return TrainBytes(p.total * state_bytes / n, working, kept + one_layer + logits)
+
+
+def train_plan(c: dict[str, Any], devices: list[str], counts: list[int], tokens: int, stream_gbps: float,
+               engine_ranks: int) -> list[tuple[str, int, str, bool]]:  # fmt: skip
+    """Prints the trainer plan; (device, n, layout, fits) per row."""
+    p = parts(c)
+    layouts = [("FSDP2 per layer, fp32 master (ours)", 16.0, False), ("FSDP2 + EP, fp32 master", 16.0, True),
+               ("FSDP2 + EP, bf16 params, fp32 moments", 12.0, True)]  # fmt: skip
+    print(f"\ntrainer memory per device: {p.total / 1e9:,.1f}B parameters, AdamW, micro-batch {tokens:,} tokens, "
+          "activation checkpointing, 90% of device memory usable")  # fmt: skip
+    print("\n| device | devices | layout | sharded state | working layers | activations | total | fits |")
+    print("|---|---:|---|---:|---:|---:|---:|---|")
+    rows = []
+    for key in devices:
+        dev = DEVICES[key]
+        for n in counts:
+            for name, state, ep in layouts:
+                b = train_bytes(c, p, n, tokens, state, ep)
+                fits = b.total <= dev.memory_gib * 2**30 * 0.9
+                rows.append((key, n, name, fits))
+                gib = " | ".join(f"{x / 2**30:,.1f} GiB" for x in (b.sharded, b.working, b.activations, b.total))
+                print(f"| {dev.name} | {n} | {name} | {gib} | {'yes' if fits else 'no'} |")
+    print()
+    for key in devices:
+        for name, *_ in layouts:
+            fit = [n for d, n, lay, ok in rows if d == key and lay == name and ok]
+            print(f"- {DEVICES[key].name}, {name}: smallest that fits "
+                  f"{f'{min(fit)} devices' if fit else f'none up to {max(counts)}'}")  # fmt: skip
+    version = p.total * 2  # what a version weighs in bf16
+    print(f"\nweight sync of one version ({version / 1e12:.2f} TB in bf16) into a replica of {engine_ranks} engine "
+          "ranks; every engine rank receives every bucket and keeps its slices, so its network port bounds the "
+          "collective; the stream transport at its measured rate:")  # fmt: skip
+    print("\n| device | collective: GB/s per engine rank | collective | stream at "
+          f"{stream_gbps:.2f} GB/s | stream / collective |\n|---|---:|---:|---:|---:|")  # fmt: skip
+    for key in devices:
+        gbps = SYNC_GBPS[key]
+        coll = version / (gbps * 1e9)
+        stream = version / (stream_gbps * 1e9)
+        print(f"| {DEVICES[key].name} | {gbps:.0f} | {coll:,.0f} s | {stream / 3600:,.1f} h | {stream / coll:,.0f}x |")
+    return rows
+
+
 def smoke() -> None:
     """The usage lines' three plans; each must print a row per format."""
     glm5 = json.loads(CONFIG.read_text())
@@ -178,6 +279,8 @@ def smoke() -> None:
     assert plan(glm5, DEVICES["h200"], 8, 32, 131072, "bfloat16", "bfloat16", 0.0) == 3
     cpu = replace(DEVICES["cpu"], collective_us=450)
     assert plan(json.loads(DEMO_CONFIG.read_text()), cpu, 2, 1, 4096, "float32", "float32", 3.1) == 3
+    rows = train_plan(glm5, ["910b-64g", "h200"], [64, 128, 256], 8192, STREAM_GBPS, 8)
+    assert len(rows) == 2 * 3 * 3
     print("smoke: ok")
 
 
@@ -196,11 +299,19 @@ def main() -> None:
     ap.add_argument("--collective-us", type=float)
     ap.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed per-step time (host overhead)")
     ap.add_argument("--smoke", action="store_true", help="the usage lines' three plans, each table checked")
+    ap.add_argument("--train", action="store_true", help="the RL trainer's plan instead of serving's")
+    ap.add_argument("--train-devices", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--train-tokens", type=int, default=8192, help="tokens per micro-batch on a device")
+    ap.add_argument("--stream-gbps", type=float, default=STREAM_GBPS, help="the stream transport's measured rate")
+    ap.add_argument("--engine-ranks", type=int, default=8, help="ranks of the engine replica a sync feeds")
     a = ap.parse_args()
     if a.smoke:
         smoke()
         return
     c = json.loads(a.config.read_text())
+    if a.train:
+        train_plan(c, ["910b-64g", "h200"], a.train_devices, a.train_tokens, a.stream_gbps, a.engine_ranks)
+        return
     dev = DEVICES[a.device]
     for field in ("memory_gib", "hbm_gbps", "link_gbps", "collective_us"):
         if getattr(a, field) is not None:

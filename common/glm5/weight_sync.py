@@ -1,15 +1,18 @@
-"""Weight sync over a collective: a version's tensors broadcast in buckets from the trainer to every rank of an
-engine replica, without a file and without a whole copy anywhere.
+"""Weight sync over a collective: a version's tensors sent in buckets from the trainer's ranks to every rank of
+an engine replica, without a file and without a whole copy anywhere.
 
-One group per replica and sync, rendezvoused through a TCP store the trainer's rank 0 hosts: the trainer is
-rank 0, the replica's ranks 1..N. The trainer first broadcasts the manifest (JSON: the tensors' on-disk names,
-shapes and dtypes, bucket by bucket; never pickle, which would run a peer's code), then each bucket as one
-flat byte buffer. Each engine rank unpacks a bucket into views and hands them to the loader, which copies the
-slices this rank's tensor/expert-parallel layout holds, so a rank holds its shard plus two buckets (one
-arriving, one being read).
+One group per replica and sync, rendezvoused through a TCP store the trainer's rank 0 hosts: the trainer's S
+ranks are ranks 0..S-1 (the senders), the replica's N ranks S..S+N-1. Sender 0 first sends each engine rank the
+manifest (JSON: the tensors' on-disk names, shapes and dtypes, bucket by bucket, and which sender holds which
+rows of each; never pickle, which would run a peer's code); then every sender sends each engine rank its
+segment of every bucket (the rows it holds of the bucket's tensors, as one flat byte buffer), point to point,
+so the bytes go from the shard that holds them straight to the engine: nothing is gathered on the trainer. Each
+engine rank views its segments as tensors (the rows of a tensor split over senders joined) and hands them to
+the loader, which copies the slices this rank's tensor/expert-parallel layout holds, so a rank holds its shard
+plus two buckets (one arriving, one being read).
 
-gloo carries the bytes (host tensors, over TCP). A root that dies closes its sockets and every receiver's wait
-fails at once; a silent one is bounded by the group's timeout.
+gloo carries the bytes (host tensors, over TCP). A sender that dies closes its sockets and every receiver's
+wait fails at once; a silent one is bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 MAX_BUCKET_BYTES = 4 << 30  # what one bucket may make a receiver allocate
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_TENSORS = 4_000_000
+MAX_SENDERS = 65_536
 GROUP_NAME = re.compile(r"^[A-Za-z0-9._/-]{1,160}$")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,300}$")
 
@@ -44,16 +48,25 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # safetensors' name: F32, BF16, F16
+    parts: tuple[tuple[int, int], ...] = ()  # (sender, rows of dim 0) in row order; () is all from sender 0
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def pieces(self) -> tuple[tuple[int, int], ...]:
+        """(sender, bytes) in row order."""
+        rows = self.shape[0] if self.shape else 1
+        per_row = self.nbytes // rows if rows else 0
+        return tuple((s, n * per_row) for s, n in (self.parts or ((0, rows),)))
 
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
     version: int
     buckets: tuple[tuple[TensorSpec, ...], ...]
+    senders: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -63,21 +76,25 @@ class Manifest:
         return {t.name: t.dtype for b in self.buckets for t in b}
 
     def to_bytes(self) -> bytes:
-        buckets = [[[t.name, list(t.shape), t.dtype] for t in b] for b in self.buckets]
-        return json.dumps({"version": self.version, "buckets": buckets}, separators=(",", ":")).encode()
+        buckets = [[[t.name, list(t.shape), t.dtype, [list(p) for p in t.parts]] for t in b] for b in self.buckets]
+        return json.dumps({"version": self.version, "senders": self.senders, "buckets": buckets},
+                          separators=(",", ":")).encode()  # fmt: skip
 
     @classmethod
     def from_bytes(cls, data: bytes, max_bucket_bytes: int = MAX_BUCKET_BYTES) -> Manifest:
-        """A peer's manifest, checked: known dtypes, sane names and shapes, no name twice, buckets bounded."""
+        """A peer's manifest, checked: known dtypes, sane names and shapes, no name twice, each tensor's rows
+        held by known senders and adding up, buckets bounded."""
         try:
             raw = json.loads(data)
-            version, buckets_raw = int(raw["version"]), raw["buckets"]
+            version, senders, buckets_raw = int(raw["version"]), int(raw.get("senders", 1)), raw["buckets"]
             buckets = tuple(
-                tuple(TensorSpec(str(n), tuple(int(d) for d in shape), str(dt)) for n, shape, dt in b)
+                tuple(TensorSpec(str(t[0]), tuple(int(d) for d in t[1]), str(t[2]), _parts(t)) for t in b)
                 for b in buckets_raw
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise CheckpointError(f"weight sync: the manifest is malformed: {exc}") from exc
+        if not 0 < senders <= MAX_SENDERS:
+            raise CheckpointError(f"weight sync: {senders} senders")
         seen: set[str] = set()
         for bucket in buckets:
             for t in bucket:
@@ -85,23 +102,40 @@ class Manifest:
                     raise CheckpointError(f"weight sync: bad or repeated tensor name {t.name[:80]!r}")
                 if t.dtype not in DTYPES or len(t.shape) > 8 or any(d < 0 for d in t.shape):
                     raise CheckpointError(f"weight sync: tensor {t.name} has dtype {t.dtype} or shape {t.shape}")
+                rows = t.shape[0] if t.shape else 1
+                if t.parts and (sum(n for _, n in t.parts) != rows or len(t.parts) > senders
+                                or any(not 0 <= s < senders or n <= 0 for s, n in t.parts)):  # fmt: skip
+                    raise CheckpointError(f"weight sync: tensor {t.name}'s parts {t.parts[:4]} do not make {rows} rows")
                 seen.add(t.name)
-            size = layout(bucket)[1]
+            size = sum(segments(bucket, senders)[1])
             if size > max_bucket_bytes:
                 raise CheckpointError(f"weight sync: a bucket of {size} bytes is over the {max_bucket_bytes} limit")
         if len(seen) > MAX_TENSORS:
             raise CheckpointError(f"weight sync: {len(seen)} tensors is over the {MAX_TENSORS} limit")
-        return cls(version, buckets)
+        return cls(version, buckets, senders)
 
 
-def layout(bucket: Sequence[TensorSpec]) -> tuple[list[int], int]:
-    """Each tensor's byte offset in its bucket's buffer, and the buffer's size: offsets aligned to 8 bytes, so
-    every tensor is a view of the buffer whatever dtypes came before it."""
-    offsets, used = [], 0
+def _parts(t: list[Any]) -> tuple[tuple[int, int], ...]:
+    return tuple((int(s), int(n)) for s, n in t[3]) if len(t) > 3 else ()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def segments(bucket: Sequence[TensorSpec], senders: int) -> tuple[list[list[tuple[int, int, int]]], list[int]]:
+    """Where each tensor's pieces lie in the senders' segments of a bucket: per tensor [(sender, offset, bytes)]
+    in row order, and each sender's segment size. A sender's segment is its pieces in tensor order, each at an
+    8-byte-aligned offset, so every piece is a view of the buffer whatever dtypes came before it."""
+    used = [0] * senders
+    places = []
     for spec in bucket:
-        offsets.append(used)
-        used += -(-spec.nbytes // 8) * 8
-    return offsets, used
+        mine = []
+        for sender, nbytes in spec.pieces:
+            mine.append((sender, used[sender], nbytes))
+            used[sender] += _aligned(nbytes)
+        places.append(mine)
+    return places, used
 
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> tuple[tuple[TensorSpec, ...], ...]:
@@ -162,8 +196,18 @@ def _group(store: Any, name: str, rank: int, size: int, timeout_s: float, hostna
     return dist.ProcessGroupGloo(PrefixStore(name, store), rank, size, opts)
 
 
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One replica's group as a sender sees it: the engine ranks are `senders`..`size`-1."""
+
+    pg: Any
+    senders: int
+    size: int
+
+
 class Sender:
-    """The trainer's side: hosts the rendezvous store on address:port (0: any free port) and roots the groups."""
+    """Trainer rank 0's side: hosts the rendezvous store on address:port (0: any free port), sees the engines
+    arrive, and joins each group as sender 0."""
 
     def __init__(self, address: str, port: int = 0, timeout_s: float = 120.0) -> None:
         self.address, self.timeout_s = address, timeout_s
@@ -182,10 +226,10 @@ class Sender:
     def rendezvous(self) -> str:
         return f"[{self.address}]:{self.port}" if ":" in self.address else f"{self.address}:{self.port}"
 
-    def group(self, name: str, size: int, abandoned: Callable[[], bool] = lambda: False) -> Any:
-        """Rank 0 of the group `name` of `size` ranks, once the others are joining. Raises after the timeout, or
-        as soon as `abandoned()` says they never will (the engine refused the sync)."""
-        keys = [f"{name}/ready/{r}" for r in range(1, size)]
+    def wait_engines(self, name: str, senders: int, size: int, abandoned: Callable[[], bool] = lambda: False) -> None:
+        """Returns once every engine rank of group `name` is joining. Raises after the timeout, or as soon as
+        `abandoned()` says they never will (the engine refused the sync)."""
+        keys = [f"{name}/ready/{r}" for r in range(senders, size)]
         deadline = time.monotonic() + self.timeout_s
         while not self._store.check(keys):
             if abandoned():
@@ -193,116 +237,145 @@ class Sender:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine's ranks did not join within {self.timeout_s:.0f}s")
             time.sleep(0.02)
-        return _group(self._store, name, 0, size, self.timeout_s, self.address)
+
+    def group(self, name: str, senders: int, size: int) -> Group:
+        return Group(_group(self._store, name, 0, size, self.timeout_s, self.address), senders, size)
 
     def close(self) -> None:
         self._listener.close()
 
 
-def send(groups: dict[str, Any], manifest: Manifest, buckets: Iterator[Sequence[torch.Tensor]]) -> dict[str, str]:
-    """Broadcasts the manifest, then every bucket (its tensors in manifest order), to every group at once.
-    A group that fails is dropped and the rest go on; returns the failed groups' errors. `buckets` is consumed
-    whole even when every group failed (the trainer's ranks gather each bucket together).
+def join_group(rendezvous: str, name: str, rank: int, senders: int, size: int, timeout_s: float) -> Group:
+    """Trainer rank `rank` (> 0) joins group `name` through rank 0's store."""
+    host, port = split_address(rendezvous)
+    store = TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+    return Group(_group(store, name, rank, size, timeout_s, route_address(host, port)), senders, size)
 
-    Two buffers, reused: bucket k goes out in the background (gloo's own threads) while bucket k+1 is gathered
-    and packed, so the trainer's gathers and the engines' receives overlap; at most two buckets in memory."""
-    header = manifest.to_bytes()
+
+HEADER_TAGS = (0, 1)  # the manifest's length, then its bytes; bucket k travels under tag 2 + k
+
+
+def send(groups: dict[str, Group], rank: int, manifest: Manifest,
+         buckets: Iterator[Sequence[torch.Tensor]]) -> dict[str, str]:  # fmt: skip
+    """Sender `rank`'s part of a sync: (rank 0: the manifest, then) its segment of every bucket, the tensors it
+    holds of each in manifest order (`buckets` yields them), to every engine rank of every group. A group that
+    fails is dropped and the rest go on; returns the failed groups' errors. `buckets` is consumed whole even
+    when every group failed (it may drive collectives the other senders join).
+
+    Two buffers, reused: bucket k goes out in the background (gloo's own threads) while bucket k+1 is packed,
+    so packing and sending overlap; at most two segments in memory."""
     failed: dict[str, str] = {}
 
-    def start(tensor: torch.Tensor) -> dict[str, Any]:
+    def start(tensor: torch.Tensor, tag: int) -> dict[tuple[str, int], Any]:
         works = {}
-        for key, pg in groups.items():
-            if key not in failed:
-                try:
-                    works[key] = pg.broadcast(tensor, 0)
-                except RuntimeError as exc:
-                    failed[key] = str(exc)
+        for key, g in groups.items():
+            for dst in range(g.senders, g.size):
+                if key not in failed:
+                    try:
+                        works[key, dst] = g.pg.send([tensor], dst, tag)
+                    except RuntimeError as exc:
+                        failed[key] = str(exc)
         return works
 
-    def finish(works: dict[str, Any]) -> None:
-        for key, work in works.items():
+    def finish(works: dict[tuple[str, int], Any]) -> None:
+        for (key, _), work in works.items():
             try:
                 work.wait()
             except RuntimeError as exc:
                 failed.setdefault(key, str(exc))
 
-    finish(start(torch.tensor([len(header)], dtype=torch.int64)))
-    finish(start(torch.frombuffer(bytearray(header), dtype=torch.uint8)))
-    largest = max((layout(b)[1] for b in manifest.buckets), default=0)
+    if rank == 0:
+        header = manifest.to_bytes()
+        finish(start(torch.tensor([len(header)], dtype=torch.int64), HEADER_TAGS[0]))
+        finish(start(torch.frombuffer(bytearray(header), dtype=torch.uint8), HEADER_TAGS[1]))
+    plans = [segments(b, manifest.senders) for b in manifest.buckets]
+    largest = max((sizes[rank] for _, sizes in plans), default=0)
     buffers: list[torch.Tensor] = []
-    pending: list[dict[str, Any]] = [{}, {}]
-    for k, (specs, tensors) in enumerate(zip(manifest.buckets, buckets, strict=True)):
+    pending: list[dict[tuple[str, int], Any]] = [{}, {}]
+    for k, (specs, tensors, (places, sizes)) in enumerate(zip(manifest.buckets, buckets, plans, strict=True)):
+        mine = [(spec, at, n) for spec, where in zip(specs, places, strict=True) for s, at, n in where if s == rank]
+        if len(tensors) != len(mine):
+            raise ValueError(f"weight sync: sender {rank} has {len(tensors)} tensors for bucket {k}, not {len(mine)}")
+        if not sizes[rank]:
+            continue
         slot = k % 2
-        finish(pending[slot])  # the buffer's previous bucket has left
+        finish(pending[slot])  # the buffer's previous segment has left
         if len(buffers) <= slot:
             buffers.append(torch.empty(largest, dtype=torch.uint8))
-        offsets, size = layout(specs)
-        flat = buffers[slot][:size]
-        for t, spec, at in zip(tensors, specs, offsets, strict=True):
-            flat[at : at + spec.nbytes] = _bytes_of(t, spec)
-        pending[slot] = start(flat)
+        flat = buffers[slot][: sizes[rank]]
+        for t, (spec, at, n) in zip(tensors, mine, strict=True):
+            flat[at : at + n] = _bytes_of(t, spec, n)
+        pending[slot] = start(flat, 2 + k)
     for works in pending:
         finish(works)
     return failed
 
 
-def _bytes_of(tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+def _bytes_of(tensor: torch.Tensor, spec: TensorSpec, nbytes: int) -> torch.Tensor:
     t = tensor.detach().to("cpu", DTYPES[spec.dtype]).contiguous()
-    if tuple(t.shape) != spec.shape:
-        raise ValueError(f"{spec.name}: shape {tuple(t.shape)}, the manifest says {spec.shape}")
+    if tuple(t.shape[1:]) != spec.shape[1:] or t.numel() * t.element_size() != nbytes:
+        raise ValueError(f"{spec.name}: a piece of shape {tuple(t.shape)} where the manifest has {nbytes} bytes of "
+                         f"{spec.shape}")  # fmt: skip
     return t.reshape(-1).view(torch.uint8)
 
 
 class Receiver:
-    """An engine rank's side: joins the group as `rank`, reads the manifest; `tensors()` then yields each
-    tensor as its bucket arrives (two buckets in memory at a time)."""
+    """An engine rank's side: joins the group as `rank` (after the senders), reads the manifest from sender 0;
+    `tensors()` then yields each tensor as its bucket arrives (two buckets in memory at a time)."""
 
     def __init__(self, rendezvous: str, group: str, rank: int, size: int, timeout_s: float,
-                 max_bytes: int, max_bucket_bytes: int = MAX_BUCKET_BYTES) -> None:  # fmt: skip
+                 max_bytes: int, max_bucket_bytes: int = MAX_BUCKET_BYTES, senders: int = 1) -> None:  # fmt: skip
         host, port = split_address(rendezvous)
-        if not GROUP_NAME.match(group) or not 0 < rank < size:
-            raise ValueError(f"bad weight-sync group {group[:40]!r} or rank {rank} of {size}")
+        if not GROUP_NAME.match(group) or not 0 < senders <= rank < size:
+            raise ValueError(f"bad weight-sync group {group[:40]!r} or rank {rank} of {size} after {senders} senders")
+        self.senders = senders
         try:
             store = TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
             store.set(f"{group}/ready/{rank}", "1")
             self._pg = _group(store, group, rank, size, timeout_s, route_address(host, port))
             length = torch.zeros(1, dtype=torch.int64)
-            self._pg.broadcast(length, 0).wait()
+            self._pg.recv([length], 0, HEADER_TAGS[0]).wait()
             if not 0 < int(length) <= MAX_MANIFEST_BYTES:
                 raise CheckpointError(f"weight sync: a manifest of {int(length)} bytes")
             header = torch.empty(int(length), dtype=torch.uint8)
-            self._pg.broadcast(header, 0).wait()
+            self._pg.recv([header], 0, HEADER_TAGS[1]).wait()
         except RuntimeError as exc:  # the store or gloo: unreachable, timed out, a peer gone
             raise CheckpointError(f"weight sync with {rendezvous} failed: {exc}") from exc
         self.manifest = Manifest.from_bytes(header.numpy().tobytes(), max_bucket_bytes)
+        if self.manifest.senders != senders:
+            raise CheckpointError(f"weight sync: the manifest names {self.manifest.senders} senders, not {senders}")
         if self.manifest.nbytes > max_bytes:
             raise CheckpointError(f"weight sync: {self.manifest.nbytes} bytes is over this worker's {max_bytes}")
 
     def tensors(self) -> Iterator[tuple[str, Received]]:
-        """Each tensor as a view of its bucket's buffer. The next bucket's receive is posted before this one's
-        tensors are handed out, so the network and the loader's copies overlap (two buckets in memory); a
-        buffer is never reused, since the loader may keep views of it until a layer is whole."""
+        """Each tensor as a view of its bucket's buffers (the rows of a tensor split over senders joined). The
+        next bucket's receives are posted before this one's tensors are handed out, so the network and the
+        loader's copies overlap; a buffer is never reused, since the loader may keep views of it until a layer
+        is whole."""
         buckets = self.manifest.buckets
-        posted = self._post(buckets[0]) if buckets else None
+        posted = self._post(0) if buckets else None
         for k, bucket in enumerate(buckets):
             assert posted is not None
-            flat, work = posted
+            flats, works = posted
             try:
-                work.wait()
+                for work in works:
+                    work.wait()
             except RuntimeError as exc:
-                raise CheckpointError(f"weight sync: the sender stopped mid-way: {exc}") from exc
-            posted = self._post(buckets[k + 1]) if k + 1 < len(buckets) else None
-            for spec, at in zip(bucket, layout(bucket)[0], strict=True):
-                part = flat[at : at + spec.nbytes].view(DTYPES[spec.dtype]).reshape(spec.shape)
-                yield spec.name, Received(part)
+                raise CheckpointError(f"weight sync: a sender stopped mid-way: {exc}") from exc
+            posted = self._post(k + 1) if k + 1 < len(buckets) else None
+            for spec, where in zip(bucket, segments(bucket, self.senders)[0], strict=True):
+                views = [flats[s][at : at + n].view(DTYPES[spec.dtype]) for s, at, n in where]
+                whole = views[0] if len(views) == 1 else torch.cat(views)
+                yield spec.name, Received(whole.reshape(spec.shape))
 
-    def _post(self, bucket: Sequence[TensorSpec]) -> tuple[torch.Tensor, Any]:
-        flat = torch.empty(layout(bucket)[1], dtype=torch.uint8)
+    def _post(self, k: int) -> tuple[list[torch.Tensor], list[Any]]:
+        sizes = segments(self.manifest.buckets[k], self.senders)[1]
+        flats = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         try:
-            return flat, self._pg.broadcast(flat, 0)
+            return flats, [self._pg.recv([flat], s, 2 + k) for s, flat in enumerate(flats) if flat.numel()]
         except RuntimeError as exc:
-            raise CheckpointError(f"weight sync: the sender stopped mid-way: {exc}") from exc
+            raise CheckpointError(f"weight sync: a sender stopped mid-way: {exc}") from exc
 
     def close(self) -> None:
-        """Leaves the group (a sender still broadcasting to it fails at once instead of timing out)."""
+        """Leaves the group (a sender still sending to it fails at once instead of timing out)."""
         self._pg.abort()

@@ -7,7 +7,7 @@ torchrun would (RANK, WORLD_SIZE, ... in the environment) by tests/integration/t
 Every rank builds the sharded policy from DIR; with --publish they first publish actor_synced vV under
 --out together (the checkpoint the engines' tokens are compared with). Rank 0 then syncs vV to the engines
 (glm5_trainer.sync.sync_engines) and writes out/sync.json: per engine its seconds or its error, and rank 0's
-peak RSS before and after the sync. --die-after-buckets: rank 0 exits after broadcasting K buckets (a
+peak RSS before and after the sync. --die-after-buckets: rank 0 exits after sending K buckets (a
 trainer that dies mid-sync).
 """
 
@@ -56,15 +56,15 @@ def main() -> None:
         ranks.follow()
         return
     if a.die_after_buckets >= 0:
-        real = sync_module.buckets
+        real = sync_module.pieces
 
-        def dying(model: torch.nn.Module, plan: sync_module.Manifest):  # type: ignore[no-untyped-def]
-            for i, bucket in enumerate(real(model, plan)):
+        def dying(model: torch.nn.Module, plan: sync_module.Manifest, rank: int):  # type: ignore[no-untyped-def]
+            for i, bucket in enumerate(real(model, plan, rank)):
                 if i == a.die_after_buckets:
                     os._exit(3)
                 yield bucket
 
-        sync_module.buckets = dying  # type: ignore[assignment]
+        sync_module.pieces = dying  # type: ignore[assignment]
     engines = {e.rsplit("=", 1)[0]: int(e.rsplit("=", 1)[1]) for e in a.engine}
     sync = CollectiveSync("127.0.0.1", 0, timeout_s=30, bucket_bytes=a.bucket_bytes)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -76,8 +76,8 @@ def main() -> None:
     pairs = list(zip(engines, results, strict=True))
     seconds = {e: r[e] for e, r in pairs if not isinstance(r, BaseException)}
     errors = {e: str(r) for e, r in pairs if isinstance(r, BaseException)}
-    summary = {"seconds": seconds, "errors": errors, "rss": [before, after],
-               "buckets": len(sync_module.manifest(policy.model, a.version, a.bucket_bytes).buckets)}  # fmt: skip
+    plan = sync_module.manifest(policy.model, a.version, a.bucket_bytes, world.size)
+    summary = {"seconds": seconds, "errors": errors, "rss": [before, after], "buckets": len(plan.buckets)}
     (a.out / "sync.json").write_text(json.dumps(summary))
     sync.close()
 

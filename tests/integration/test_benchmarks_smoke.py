@@ -51,6 +51,7 @@ BENCHMARKS = [
     Benchmark("operator_reconcile", True, 90, "API req/res"),
     Benchmark("quantized", False, 120, "w4a16 (bf16, int4 kernel)"),
     Benchmark("rl_loop", True, 180, "| loop | wall time (s) |"),
+    Benchmark("rl_scale", True, 120, "| transport | seconds | GB/s | vs collective |"),
     Benchmark("router", True, 180, "fixed 100 ms window"),
     Benchmark("scaling_plan", False, 30, "int4-experts"),
     Benchmark("tensor_parallel", False, 120, "collectives ms"),

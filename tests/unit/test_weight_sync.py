@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from glm5.errors import CheckpointError
-from glm5.weight_sync import DTYPES, Manifest, Received, TensorSpec, layout, plan_buckets, split_address
+from glm5.weight_sync import DTYPES, Manifest, Received, TensorSpec, plan_buckets, segments, split_address
 
 
 def _specs() -> list[TensorSpec]:
@@ -21,11 +21,23 @@ def test_manifest_round_trip_and_buckets() -> None:
     m = Manifest(3, buckets)
     assert Manifest.from_bytes(m.to_bytes()) == m
     assert m.nbytes == 30 + 28 + 6 + 4000 and m.dtypes()["c"] == "F16"
+    split = Manifest(3, ((TensorSpec("a", (3, 5), "BF16", ((0, 2), (1, 1))), TensorSpec("b", (7,), "F32", ((1, 7),))),),
+                     senders=2)  # fmt: skip
+    assert Manifest.from_bytes(split.to_bytes()) == split and split.buckets[0][0].pieces == ((0, 20), (1, 10))
+
+
+def test_each_senders_segment_holds_its_rows_in_order() -> None:
+    bucket = [TensorSpec("a", (3, 5), "BF16", ((0, 2), (1, 1))), TensorSpec("b", (7,), "F32", ((1, 7),)),
+              TensorSpec("c", (4, 3), "F16", ((0, 1), (1, 3)))]  # fmt: skip
+    places, sizes = segments(bucket, 2)
+    assert places == [[(0, 0, 20), (1, 0, 10)], [(1, 16, 28)], [(0, 24, 6), (1, 48, 18)]]
+    assert sizes == [32, 72]  # each piece starts 8-byte aligned
 
 
 def test_every_tensor_is_an_aligned_view_whatever_came_before() -> None:
     bucket = _specs()
-    offsets, size = layout(bucket)
+    places, (size,) = segments(bucket, 1)
+    offsets = [where[0][1] for where in places]
     assert all(o % 8 == 0 for o in offsets) and size >= sum(t.nbytes for t in bucket)
     flat = torch.zeros(size, dtype=torch.uint8)
     values = [torch.randn(t.shape).to(DTYPES[t.dtype]) for t in bucket]
@@ -46,11 +58,14 @@ def test_every_tensor_is_an_aligned_view_whatever_came_before() -> None:
         ([[["w", [-1], "F32"]]], "shape"),
         ([[["w", [1 << 20, 1 << 12], "F32"]]], "limit"),  # 16 GiB in one bucket: refused before any allocation
         ("nope", "malformed"),
+        ([[["w", [3], "F32", [[0, 2]]]]], "parts"),  # rows that do not add up
+        ([[["w", [3], "F32", [[0, 1], [2, 2]]]]], "parts"),  # a sender the group does not have
+        ([[["w", [3], "F32", [[0, 3], [1, 0]]]]], "parts"),  # an empty part
     ],
 )
 def test_a_peers_manifest_is_checked(buckets: object, message: str) -> None:
     with pytest.raises(CheckpointError, match=message):
-        Manifest.from_bytes(json.dumps({"version": 1, "buckets": buckets}).encode())
+        Manifest.from_bytes(json.dumps({"version": 1, "senders": 2, "buckets": buckets}).encode())
     with pytest.raises(CheckpointError, match="malformed"):
         Manifest.from_bytes(b"\x80not json")
 

@@ -257,20 +257,22 @@ class PushWeightsChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[PushWeightsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SyncWeightsRequest(_message.Message):
-    __slots__ = ("version", "rendezvous", "group", "world_size", "tokenizer_fingerprint", "timeout_seconds")
+    __slots__ = ("version", "rendezvous", "group", "world_size", "tokenizer_fingerprint", "timeout_seconds", "senders")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SENDERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     rendezvous: str
     group: str
     world_size: int
     tokenizer_fingerprint: str
     timeout_seconds: float
-    def __init__(self, version: _Optional[int] = ..., rendezvous: _Optional[str] = ..., group: _Optional[str] = ..., world_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    senders: int
+    def __init__(self, version: _Optional[int] = ..., rendezvous: _Optional[str] = ..., group: _Optional[str] = ..., world_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., senders: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "load_seconds", "swap_seconds")

@@ -17,7 +17,7 @@ from glm5.v1 import tito_pb2
 
 from glm5_trainer.distributed import Commands, World, state_bytes
 from glm5_trainer.policy import Policy, StepStats
-from glm5_trainer.sync import CollectiveSync, gathered, manifest, send_weights
+from glm5_trainer.sync import CollectiveSync, manifest, open_groups, send_weights
 from glm5_trainer.versions import WeightVersions
 
 log = logging.getLogger(__name__)
@@ -50,13 +50,13 @@ class Ranks:
 
     def sync_weights(self, sync: CollectiveSync, version: int,
                      targets: dict[str, tuple[str, int, threading.Event]]) -> dict[str, str]:  # fmt: skip
-        """The current weights over a collective group per engine (glm5_trainer.sync): rank 0 opens the groups
-        first (the others need not wait on it), then every rank gathers while rank 0 broadcasts. Returns the
-        engines whose group failed, with the error."""
-        groups, failed = sync.open(targets)
-        plan = manifest(self.policy.model, version, sync.bucket_bytes)
-        self.commands.send("gather_weights")
-        failed.update(send_weights(self.policy.model, plan, groups))
+        """The current weights over a collective group per engine (glm5_trainer.sync): rank 0 waits for the
+        engines' ranks to arrive (the others need not wait on it), then every rank joins the groups that are
+        ready and sends its own rows. Returns the engines whose sync failed here, with the error."""
+        ready, failed = sync.wait(targets, self.world.size)
+        args = (sync.rendezvous, ready, version, sync.bucket_bytes, sync.timeout_s)
+        self.commands.send("sync_weights", *args)
+        failed.update(self._sync_weights(*args, sync=sync))
         return failed
 
     def restore(self, version: int) -> bool:
@@ -100,9 +100,15 @@ class Ranks:
         self.versions.latest, self.versions.steps = latest, steps  # rank 0 may have renumbered (adopt_engines)
         return self.versions.publish()
 
-    def _gather_weights(self) -> None:
-        for _ in gathered(self.policy.model):
-            pass
+    def _sync_weights(self, rendezvous: str, ready: dict[str, tuple[str, int]], version: int, bucket_bytes: int,
+                      timeout_s: float, sync: CollectiveSync | None = None) -> dict[str, str]:  # fmt: skip
+        rank, senders = self.world.rank, self.world.size
+        groups, failed = open_groups(ready, rank, senders, rendezvous, timeout_s, sync)
+        plan = manifest(self.policy.model, version, bucket_bytes, senders)
+        failed.update(send_weights(self.policy.model, plan, groups, rank))
+        if rank and failed:
+            log.warning("rank %d: weight sync of v%d failed for %s", rank, version, failed)
+        return failed
 
     def _save_state(self, version: int) -> None:
         self.policy.save_state(self.state_path, version)

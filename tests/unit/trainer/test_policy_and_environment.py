@@ -122,3 +122,20 @@ def test_trainer_flags(tmp_path: Path) -> None:
         config(*base, "--engine", "e:1", "--task-preset", "custom")
     c = config(*base, "--engine", "e:1", "--task-preset", "terminal", "--eps-high", "0.3", "--mode", "sync")
     assert (c.region.eps_low, c.region.eps_high, c.mode) == (0.05, 0.3, "sync")  # type: ignore[attr-defined]
+
+
+def test_sync_plan_names_the_published_tensors_and_splits_rows_as_torch_chunk(policy: Policy) -> None:
+    from glm5.model.loader import checkpoint_state_dict
+    from glm5_trainer.sync import _chunks, held, manifest
+
+    for rows in (1, 5, 7, 10, 64):
+        for senders in (1, 2, 3, 4):
+            want = [len(c) for c in torch.chunk(torch.arange(rows), senders)]
+            assert [n for _, n in _chunks(rows, senders)] == want, (rows, senders)
+    published = checkpoint_state_dict(policy.model)  # type: ignore[arg-type]  # transformers' model, same names
+    plan = manifest(policy.model, 4, 1 << 16)
+    specs = [t for b in plan.buckets for t in b]
+    assert sorted(t.name for t in specs) == sorted(published) and len(plan.buckets) > 3
+    assert all(t.shape == tuple(published[t.name].shape) and t.pieces == ((0, t.nbytes),) for t in specs)
+    mine = held(policy.model, 0, 1)  # one rank holds everything, as views of the model's own tensors
+    assert set(mine) == set(published) and all(torch.equal(mine[k], v) for k, v in published.items())

@@ -26,7 +26,7 @@ GEOMETRY = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 
 @dataclass(frozen=True, slots=True)
 class SyncSpec:
-    """A SyncWeights update's source: the trainer's group, which this rank joins as 1 + its replica rank."""
+    """A SyncWeights update's source: the trainer's group, which this rank joins as senders + its replica rank."""
 
     version: int
     rendezvous: str
@@ -35,6 +35,7 @@ class SyncSpec:
     timeout_s: float
     max_bytes: int  # what the manifest may declare (the trainer's float32 of our bf16 is twice our bytes)
     tokenizer_fingerprint: str = ""
+    senders: int = 1  # the trainer's ranks in the group, each sending the rows it holds
 
 
 WeightSource = str | SyncSpec  # a checkpoint folder, or a sync group
@@ -50,11 +51,12 @@ def read_weights(source: WeightSource, current: ModelConfig, dtype: torch.dtype,
 
 def receive_checkpoint(spec: SyncSpec, current: ModelConfig, dtype: torch.dtype, device: torch.device,
                        fingerprint: str, tp: TensorParallel = SINGLE) -> GlmMoeDsaForCausalLM:  # fmt: skip
-    """Joins the trainer's group and builds this rank's shard from the buckets as they arrive (one bucket in
+    """Joins the trainer's group and builds this rank's shard from the buckets as they arrive (two buckets in
     memory at a time); the served geometry, so a tensor of another shape fails the update."""
     if spec.tokenizer_fingerprint and spec.tokenizer_fingerprint != fingerprint:
         raise CheckpointError("the trainer's policy has another tokenizer than the served model (fingerprint differs)")
-    receiver = Receiver(spec.rendezvous, spec.group, 1 + tp.rank, spec.world_size, spec.timeout_s, spec.max_bytes)
+    receiver = Receiver(spec.rendezvous, spec.group, spec.senders + tp.rank, spec.world_size, spec.timeout_s,
+                        spec.max_bytes, senders=spec.senders)  # fmt: skip
     try:
         if receiver.manifest.version != spec.version:
             raise CheckpointError(f"the trainer sends version {receiver.manifest.version}, not {spec.version}")

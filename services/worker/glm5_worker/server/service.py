@@ -16,7 +16,7 @@ import grpc
 from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
 from glm5.serving import STREAM_ACCEPTED_KEY, RequestFailed, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from glm5.weight_sync import GROUP_NAME, split_address
+from glm5.weight_sync import GROUP_NAME, MAX_SENDERS, split_address
 
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped, ReplicaLost
 from glm5_worker.engine.engine import EngineStats, RequestOutput
@@ -323,13 +323,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise InvalidRequestError("rendezvous", str(exc)) from None
         if not GROUP_NAME.match(request.group):
             raise InvalidRequestError("group", "1-160 letters, digits, '.', '_', '/' or '-'")
-        if request.world_size != 1 + eng.tp.size:
-            raise InvalidRequestError("world_size", f"must be 1 + this replica's {eng.tp.size} ranks")
+        senders = request.senders or 1
+        if not 0 < senders <= MAX_SENDERS:
+            raise InvalidRequestError("senders", f"must be in [1, {MAX_SENDERS}]")
+        if request.world_size != senders + eng.tp.size:
+            raise InvalidRequestError("world_size", f"must be senders ({senders}) + this replica's {eng.tp.size} ranks")
         timeout = request.timeout_seconds or eng.config.collective_timeout_s
         if not 0 < timeout <= 3600:
             raise InvalidRequestError("timeout_seconds", "must be in (0, 3600]")
         return SyncSpec(request.version, request.rendezvous, request.group, request.world_size, timeout,
-                        self.max_push_bytes, request.tokenizer_fingerprint)  # fmt: skip
+                        self.max_push_bytes, request.tokenizer_fingerprint, senders)  # fmt: skip
 
     @functools.cached_property
     def max_push_bytes(self) -> int:
