@@ -1,6 +1,7 @@
 """An RLJob from `kubectl apply` to trained weights, without a cluster (issue 18): the chart's examples/rljob.yaml
 on the cpu.yaml deployment's workers, its trainer and gateway run as pods by the test pod runner. The trainer reads
-its policy and dataset from the claims examples/demo-data.yaml filled, and streams every version to the workers."""
+its policy and dataset from the claims examples/demo-data.yaml filled, and sends every version to the workers by
+collective (its two ranks' shards straight into the workers' ranks, no file)."""
 
 from __future__ import annotations
 
@@ -73,10 +74,12 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     assert (checkpoint / "model.safetensors.index.json").is_file() and (checkpoint / "tokenizer.json").is_file()
     assert len(list(checkpoint.glob("model-*.safetensors"))) >= 2
 
-    # the rollout workers serve it: it reached them over gRPC (they mount neither the trainer's claim nor any
-    # other volume it wrote to)
+    # the rollout workers serve it: it reached them over the network, by collective from the trainer's ranks
+    # (they mount neither the trainer's claim nor any other volume it wrote to)
     worker = cluster.runner.pods["tiny-worker-0"]
     assert await _weight_version(f"{worker.ip}:50051", cluster.secret("tiny-internal", "token")) == version
+    log = (worker.dir / f"{worker.manifest['spec']['containers'][0]['name']}.log").read_text()
+    assert f"weights v{version} from the trainer's group" in log, log[-2000:]
     assert not any(v.get("persistentVolumeClaim", {}).get("claimName") == status["checkpoint"]["claim"]
                    for v in worker.manifest["spec"]["volumes"])  # fmt: skip
 

@@ -3,7 +3,7 @@ MASTER_PORT in the environment) by tests/integration/test_trainer_fsdp.py.
 
     python -m tests.helpers.trainer_rank --model DIR --records FILE --out DIR
         [--steps 1] [--skip-steps N] [--save-after N --checkpoint DIR] [--resume DIR] [--die-at-step N] [--timeout 60]
-        [--publish DIR]
+        [--publish DIR] [--activation-checkpointing]
 
 Trains `--steps` steps (float64) on the same records, then writes out/rank{R}.pt: this rank's state bytes, the
 bytes it read of the checkpoint and the steps' stats; rank 0 also writes out/weights.pt, the full updated
@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--die-at-step", type=int, default=-1, help="rank 1 exits at the start of this step")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--publish", type=Path)
+    p.add_argument("--activation-checkpointing", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     world = World.from_env()
@@ -46,7 +47,14 @@ def main() -> None:
         init(world, torch.device("cpu"), timeout_s=a.timeout)
     batches = torch.load(a.records, weights_only=False)
     records = [[tito_pb2.RolloutRecord.FromString(r) for r in batch] for batch in batches]
-    policy = Policy(a.model, learning_rate=1e-3, world=world, dtype=torch.float64, total_steps=4)
+    policy = Policy(a.model, learning_rate=1e-3, world=world, dtype=torch.float64, total_steps=4,
+                    activation_checkpointing=a.activation_checkpointing)  # fmt: skip
+    # AdamW's first step moves each weight by lr * g / (|g| + eps): with the default eps (1e-8) a gradient near
+    # 1e-8 turns transformers' float32 rounding (norms, softmax and router run in float32 whatever the dtype,
+    # and round differently for other batch shapes on some CPUs) into weight differences of 1e-6. With eps 1e-3
+    # the update is linear in the gradient, so the weights compare the summed gradients themselves.
+    for group in policy.optimizer.param_groups:
+        group["eps"] = 1e-3
     if a.resume:
         policy.load_checkpoint(a.resume)
     stats = []
@@ -64,7 +72,8 @@ def main() -> None:
             policy.model.save_pretrained(a.publish / "hf")
     full = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     a.out.mkdir(parents=True, exist_ok=True)
-    mine = {"bytes": state_bytes(policy.model, policy.optimizer), "stats": stats, "read": policy.loaded_bytes}
+    mine = {"bytes": state_bytes(policy.model, policy.optimizer), "stats": stats, "read": policy.loaded_bytes,
+            "checkpointing": bool(policy.model.is_activation_checkpointing)}  # fmt: skip
     torch.save(mine, a.out / f"rank{world.rank}.pt")
     if world.leader:
         torch.save(full, a.out / "weights.pt")

@@ -109,25 +109,31 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
     results = {}
     for world in (1, 2, 4):
         publish = ("--publish", str(tmp_path / f"published{world}"))
-        assert _run(world, records, tmp_path / str(world), *publish) == [0] * world
+        # 4 ranks recompute each layer in the backward pass: the same step, from less kept memory
+        recompute = ("--activation-checkpointing",) if world == 4 else ()
+        assert _run(world, records, tmp_path / str(world), *publish, *recompute) == [0] * world
         results[world] = (_weights(tmp_path / str(world)), _ranks(tmp_path / str(world), world))
     one, ranks_one = results[1]
     moved = _max_diff(one, {k: v.to(torch.float64) for k, v in start.items()})
     assert moved > 1e-4  # the step changed the weights: the comparison below is not of two untouched models
     total = sum(ranks_one[0]["bytes"].values())
     # float64, but transformers computes norms, attention softmax and the MoE router in float32 whatever the
-    # dtype, so rows batched differently differ by float32 rounding there (seen: 6e-10 in weights, 4e-9 in loss)
+    # dtype, so rows batched differently differ by float32 rounding there: a few parts in 1e9 of the losses (seen
+    # 4e-9 in the loss on one machine, 5.7e-9 in the policy loss on another, whose float32 kernels round
+    # differently for other batch shapes) and 6e-10 in the weights (the helper's AdamW eps keeps the first step
+    # linear in the gradient, tests/helpers/trainer_rank.py)
     for world in (2, 4):
         weights, ranks = results[world]
         assert _max_diff(weights, one) <= 1e-8, world
         s, s1 = ranks[0]["stats"][0], ranks_one[0]["stats"][0]
         assert (
             abs(s.loss - s1.loss) <= 1e-7
-            and abs(s.policy_loss - s1.policy_loss) <= 1e-9
+            and abs(s.policy_loss - s1.policy_loss) <= 1e-7
             and (s.tokens, s.kept) == (s1.tokens, s1.kept)
         )
         per_rank = [sum(r["bytes"].values()) for r in ranks]
         assert max(per_rank) <= 1.1 * total / world, (world, per_rank, total)
+        assert all(r["checkpointing"] == (world == 4) for r in ranks)
     _check_published(tmp_path)
 
 

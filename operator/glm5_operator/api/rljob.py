@@ -58,6 +58,19 @@ class Trainer(Spec):
             "to zero; the checkpoint volume stays. Raising it resumes the job from its last published version."
         ),
     )
+    weight_transport: Literal["collective", "stream"] = Field(
+        "collective",
+        description=(
+            "How each published version reaches the rollout workers. collective: every trainer rank sends the "
+            "rows of its shard straight to every rank of every replica over a gloo group (no file; all ports "
+            "open between the trainer pod and the workers, which the rendered NetworkPolicy admits). stream: the "
+            "published files over the workers' gRPC port (PushWeights), when only that port is reachable."
+        ),
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in the backward pass (less memory, longer steps)."
+    )
+    sync_port: int = Field(29600, ge=1024, le=65535, description="The collective's rendezvous port on the trainer.")
     image: str | None = Field(None, description="Trainer image (default: the operator's configured image).")
     group_size: int = Field(8, ge=2, description="Rollouts per problem (advantages are normalised in a group).")
     groups_per_step: int = Field(8, ge=1, description="Problem groups per optimizer step.")

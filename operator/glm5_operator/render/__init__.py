@@ -46,7 +46,8 @@ def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, con
     out += [Child(m) for m in workers.worker_stateful_sets(instance, namespace, spec, config)]
     out.append(Child(workers.worker_pdb(instance, namespace)))
     if spec.security.network_policy:
-        out.append(Child(network.worker_network_policy(instance, namespace, spec)))
+        components = [workers.node_component(k) for k in range(w.pods_per_replica)]
+        out.append(Child(network.worker_network_policy(instance, namespace, spec, components)))
     return out
 
 

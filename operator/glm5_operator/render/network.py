@@ -1,8 +1,9 @@
 """NetworkPolicies and the TLS / API-key wiring a deployment's pods share (docs/security.md).
 
 Workers accept gRPC only from their own deployment's routers and from pods labelled as its clients (the TITO
-gateway and trainer of an RLJob that uses the workers); the rendezvous port of a replica spread over several pods
-only from that deployment's workers. Routers accept traffic from `security.routerIngressFrom` (default anyone).
+gateway and trainer of an RLJob that uses the workers); any port from the peers of their collectives: the other
+pods of a replica spread over several pods, and the trainer of an RLJob that syncs weights into them by collective
+(labelled glm5.ai/syncs-into). Routers accept traffic from `security.routerIngressFrom` (default anyone).
 Probes come from the kubelet on the node, which NetworkPolicies do not filter.
 """
 
@@ -15,6 +16,8 @@ from glm5_operator.api.deployment import GLM5DeploymentSpec
 from glm5_operator.render.common import child_name, metadata, selector
 
 CLIENT_OF_LABEL = "glm5.ai/client-of"  # on RLJob pods: the worker instance they call
+# on an RLJob trainer that syncs weights by collective: the worker instance whose ranks it sends to (on all ports)
+SYNCS_INTO_LABEL = "glm5.ai/syncs-into"
 ADMIN_DIR = "/etc/glm5/admin"  # the workers' admin token (UpdateWeights), mounted in workers and RLJob trainers
 ADMIN_FILE = "token"
 # the instance's internal token: its workers require it on every call but health checks; mounted in the workers, the
@@ -84,17 +87,35 @@ def tls_volume(spec: GLM5DeploymentSpec) -> tuple[list[dict[str, Any]], list[dic
     return [volume], [{"name": "tls", "mountPath": TLS_DIR, "readOnly": True}]
 
 
-def worker_network_policy(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> dict[str, Any]:
+def worker_network_policy(instance: str, namespace: str, spec: GLM5DeploymentSpec,
+                          components: list[str]) -> dict[str, Any]:  # fmt: skip
+    """The workers' policy, over the pods of every node of a replica (`components`: rank 0's and the others')."""
     w = spec.workers
     callers = [
         {"podSelector": {"matchLabels": selector(instance, "router")}},
         {"podSelector": {"matchLabels": {CLIENT_OF_LABEL: instance}}},
     ]
     ingress: list[dict[str, Any]] = [{"from": callers, "ports": [{"protocol": "TCP", "port": w.port}]}]
+    # gloo, NCCL and HCCL open their data connections on ports of their own choosing (the rendezvous port only
+    # introduces the peers), so the peers of a collective are admitted on every port: a replica's other pods,
+    # and an RLJob trainer that sends these workers its weights over a collective
+    workers = _components(instance, components)
+    collective_peers = [{"podSelector": {"matchLabels": {SYNCS_INTO_LABEL: instance}}}]
     if w.pods_per_replica > 1:
-        peers = [{"podSelector": {"matchLabels": selector(instance, "worker")}}]
-        ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": w.rendezvous_port}]})
-    return _policy(child_name(instance, "workers"), namespace, instance, "worker", ingress)
+        collective_peers.append({"podSelector": workers})
+    ingress.append({"from": collective_peers})
+    policy = _policy(child_name(instance, "workers"), namespace, instance, "worker", ingress)
+    policy["spec"]["podSelector"] = workers
+    return policy
+
+
+def _components(instance: str, components: list[str]) -> dict[str, Any]:
+    """A selector of the instance's pods of any of `components`."""
+    base = {k: v for k, v in selector(instance, components[0]).items() if k != "app.kubernetes.io/component"}
+    if len(components) == 1:
+        return {"matchLabels": selector(instance, components[0])}
+    expression = {"key": "app.kubernetes.io/component", "operator": "In", "values": list(components)}
+    return {"matchLabels": base, "matchExpressions": [expression]}
 
 
 def router_network_policy(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> dict[str, Any]:

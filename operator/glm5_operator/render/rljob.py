@@ -26,6 +26,7 @@ from glm5_operator.render.network import (
     ADMIN_FILE,
     CLIENT_OF_LABEL,
     INTERNAL_TOKEN_FILE,
+    SYNCS_INTO_LABEL,
     WEIGHTS_ROOT,
     admin_volume,
     internal_volume,
@@ -92,12 +93,16 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "admin-token-file": f"{ADMIN_DIR}/{ADMIN_FILE}",  # the engines' token, sent with every weight push
         "internal-token-file": INTERNAL_TOKEN_FILE,  # theirs too, sent with every call to them
         # the workers share no volume with the trainer (its checkpoint claim is ReadWriteOnce, and a referenced
-        # deployment's workers were rendered without it): each version's files go to them over gRPC
-        "weights-transport": "stream",
+        # deployment's workers were rendered without it): each version goes to them over the network, from the
+        # trainer ranks' shards (collective; --sync-address is the pod's IP, set in the container's args) or as the
+        # published files over gRPC (stream)
+        "weights-transport": t.weight_transport,
+        **({"sync-port": t.sync_port} if t.weight_transport == "collective" else {}),
         "dataset": spec.dataset.uri,
         "environment": spec.dataset.environment,
         # one rank per device, the policy sharded over them (FSDP2); rank 0 runs the loop
         "nproc-per-node": t.devices,
+        "activation-checkpointing": t.activation_checkpointing,
     }
 
 
@@ -242,6 +247,12 @@ def trainer_stateful_set(
     template["spec"]["volumes"].append(admin)
     trainer["volumeMounts"].append(admin_mount)
     trainer["ports"] = [{"name": "status", "containerPort": TRAINER_STATUS_PORT, "protocol": "TCP"}]
+    if t.weight_transport == "collective":
+        # the rendezvous the workers reach is the pod's own address (the store listens there and nowhere else)
+        trainer["env"] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        trainer["args"] += ["--sync-address", "$(POD_IP)"]
+        trainer["ports"].append({"name": "sync", "containerPort": t.sync_port, "protocol": "TCP"})
+        template["metadata"]["labels"][SYNCS_INTO_LABEL] = client_of  # the workers' NetworkPolicy admits it
     trainer["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": "status"}, "periodSeconds": 10,
                                  "failureThreshold": 3}  # fmt: skip
     trainer["terminationMessagePath"] = TERMINATION_LOG

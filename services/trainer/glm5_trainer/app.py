@@ -109,6 +109,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--node-rank", type=int, default=0, help="this host's index (0 hosts the rendezvous)")
     r.add_argument("--master-addr", default="127.0.0.1", help="address of host 0 (the rendezvous)")
     r.add_argument("--master-port", type=int, default=29500, help="its rendezvous port")
+    r.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each decoder layer's activations in the backward pass instead of keeping them "
+                   "(less memory for a longer step)")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> RLConfig:
@@ -133,7 +136,7 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             completion_file=Path(a.completion_file) if a.completion_file else None, tls=tls_from_args(a),
             admin_token=admin_token_from_args(a), weights_transport=a.weights_transport,
             sync_address=a.sync_address, sync_port=a.sync_port, sync_bucket_bytes=a.sync_bucket_bytes,
-            sync_timeout_s=a.sync_timeout,
+            sync_timeout_s=a.sync_timeout, activation_checkpointing=a.activation_checkpointing,
             internal_token=internal_token_from_args(a),
         )  # fmt: skip
     except ValueError as exc:

@@ -97,6 +97,7 @@ class RLConfig:
     sync_port: int = 0  # 0: any free port
     sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sync_timeout_s: float = 120.0  # a group's join and each bucket's broadcast
+    activation_checkpointing: bool = False  # recompute each layer's activations in the backward pass
 
     def __post_init__(self) -> None:
         problems = []
@@ -175,7 +176,7 @@ def open_trainer(config: RLConfig, world: World) -> Trainer:
     done = 0 if resumed_from is None else recorded if recorded is not None else resumed_from[0]
     policy = Policy(start, config.learning_rate, config.region, config.balance_weight, config.entropy_weight,
                     total_steps=config.steps if config.lr_schedule == "cosine" else None, steps_done=done,
-                    world=world)  # fmt: skip
+                    world=world, activation_checkpointing=config.activation_checkpointing)  # fmt: skip
     versions = WeightVersions(policy.model, config.out, config.policy, config.sync_every_steps,
                               config.sync_interval_s, config.ema_decay, steps=done)  # fmt: skip
     # one rank: the optimizer's state as one file; several: a DCP directory every rank writes its part of
@@ -532,8 +533,10 @@ class RLRun:
             await self._pushing  # versions reach the engines in order
             self._pushing = None
         phases["push_wait_seconds"] = round(time.perf_counter() - t0, 4)
-        if path is not None and self.c.mode == "async":
-            # The push overlaps the next training step; groups started after it get the new weights.
+        if path is not None and self.c.mode == "async" and self.c.weights_transport != "collective":
+            # The push overlaps the next training step; groups started after it get the new weights. A collective
+            # sync sends the live weights, which the next step changes, and every rank takes part in it in the
+            # order rank 0 sends its commands: it runs here, between the steps.
             self._pushing = asyncio.create_task(self._push(path, step))
         elif path is not None:
             await self._push(path, step)

@@ -109,6 +109,9 @@ class Policy:
     nonfinite: collections.Counter[str] = field(default_factory=collections.Counter)
     world: World = field(default_factory=World)  # > 1 rank: FSDP2 over the world (glm5_trainer.distributed)
     dtype: torch.dtype = torch.float32
+    # recompute each decoder layer's activations in the backward pass instead of keeping them (transformers'
+    # activation checkpointing, non-reentrant, so FSDP2 gathers the layer again for the recompute)
+    activation_checkpointing: bool = False
     _saver: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glm5-state")
     )
@@ -132,6 +135,8 @@ class Policy:
         else:
             self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=self.dtype, **extra)
             self.loaded_bytes = sum(f.stat().st_size for f in checkpoint_files(self.path))  # all of it
+        if self.activation_checkpointing:
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()
         self.vocab_size = int(self.model.config.vocab_size)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.learning_rate, weight_decay=0.0,
@@ -147,6 +152,7 @@ class Policy:
                 for _ in range(self.steps_done):
                     self.scheduler.step()
         self._routers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._capturing = False  # the forward pass only: a checkpointed layer's recompute runs the router again
         for module in self.model.modules():
             if type(module).__name__.endswith("TopkRouter"):
                 module.register_forward_hook(self._capture_router)
@@ -257,13 +263,18 @@ class Policy:
         return int(state["trainer"]["version"])
 
     def _capture_router(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        logits, _, topk_idx = output
-        self._routers.append((logits, topk_idx))
+        if self._capturing:
+            logits, _, topk_idx = output
+            self._routers.append((logits, topk_idx))
 
     def token_logprobs(self, batch: Batch) -> torch.Tensor:
         """(N, T-1) log-probs of each next token under the current weights (with grad)."""
         self._routers.clear()
-        logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits
+        self._capturing = True
+        try:
+            logits = self.model(input_ids=batch.ids, attention_mask=batch.attention).logits
+        finally:
+            self._capturing = False
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least; float64 stays
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
         return logp.gather(-1, batch.ids[:, 1:, None]).squeeze(-1)

@@ -225,8 +225,10 @@ def test_security_renders_tls_api_keys_probes_and_network_policies() -> None:
     assert "service" not in router_container["livenessProbe"]["grpc"]
     workers = children["NetworkPolicy", "secure-workers"]["spec"]
     assert workers["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
-    (rule,) = workers["ingress"]
+    rule, collective = workers["ingress"]
     assert rule["ports"] == [{"protocol": "TCP", "port": 50051}]
+    # every port, but only from a trainer that syncs into these workers (gloo picks its data ports itself)
+    assert collective == {"from": [{"podSelector": {"matchLabels": {"glm5.ai/syncs-into": "secure"}}}]}
     allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
     assert {"glm5.ai/client-of": "secure"} in allowed
     assert any(p.get("app.kubernetes.io/component") == "router" and p["app.kubernetes.io/instance"] == "secure"
@@ -331,9 +333,11 @@ def _mounted(pod: dict[str, Any], path: str) -> dict[str, Any] | None:
     return None
 
 
-def test_trainer_mounts_what_its_config_names_and_streams_weights() -> None:
-    """The trainer reads its policy from the policy claim and its dataset from the dataset claim; the workers it
-    pushes to stage the streamed files on a writable volume of their own (they share none with the trainer)."""
+def test_trainer_mounts_what_its_config_names_and_syncs_weights() -> None:
+    """The trainer reads its policy from the policy claim and its dataset from the dataset claim; it syncs each
+    version into the workers by collective from its pod's address, which their NetworkPolicy admits on every
+    port; with weightTransport: stream the workers it pushes to stage the streamed files on a writable volume of
+    their own (they share none with the trainer)."""
     doc = yaml.safe_load((CHART / "examples" / "rljob.yaml").read_text())
     spec = parse_rljob(doc["spec"])
     served = parse_deployment(yaml.safe_load((CHART / "examples" / "cpu.yaml").read_text())["spec"])
@@ -343,7 +347,25 @@ def test_trainer_mounts_what_its_config_names_and_streams_weights() -> None:
     policy, dataset = _mounted(trainer, settings["policy"]), _mounted(trainer, settings["dataset"])
     assert policy is not None and policy["persistentVolumeClaim"]["claimName"] == doc["spec"]["policy"]["pvcName"]
     assert dataset is not None and dataset["persistentVolumeClaim"]["claimName"] == doc["spec"]["dataset"]["pvcName"]
-    assert settings["weights-transport"] == "stream"
+    assert settings["weights-transport"] == "collective" and settings["sync-port"] == 29600
+    assert settings["activation-checkpointing"] is False  # a flag the trainer's parser takes from the file
+    pod = next(m for m in children if m["kind"] == "StatefulSet")["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    assert container["args"][-2:] == ["--sync-address", "$(POD_IP)"]  # the kubelet expands it
+    assert container["env"] == [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert {"name": "sync", "containerPort": 29600, "protocol": "TCP"} in container["ports"]
+    assert pod["metadata"]["labels"]["glm5.ai/syncs-into"] == "tiny"
+    policy_of = next(c.manifest for c in deployment_children("tiny", "ml", served, CONFIG) if c.kind == "NetworkPolicy"
+                     and c.name == "tiny-workers")  # fmt: skip
+    admitted = [r for r in policy_of["spec"]["ingress"] if "ports" not in r]
+    assert admitted == [{"from": [{"podSelector": {"matchLabels": {"glm5.ai/syncs-into": "tiny"}}}]}]
+
+    doc["spec"]["trainer"]["weightTransport"] = "stream"
+    children = [c.manifest for c in rljob_children("job", "ml", parse_rljob(doc["spec"]), CONFIG, served)]
+    settings = json.loads(next(m for m in children if m["kind"] == "ConfigMap")["data"]["trainer.json"])
+    pod = next(m for m in children if m["kind"] == "StatefulSet")["spec"]["template"]
+    assert settings["weights-transport"] == "stream" and "sync-port" not in settings
+    assert "env" not in pod["spec"]["containers"][0] and "glm5.ai/syncs-into" not in pod["metadata"]["labels"]
     workers = next(c.manifest for c in deployment_children("tiny", "ml", served, CONFIG) if c.kind == "StatefulSet")
     engine = json.loads(next(c.manifest for c in deployment_children("tiny", "ml", served, CONFIG)
                              if c.name == "tiny-engine")["data"]["engine.json"])  # fmt: skip

@@ -81,6 +81,15 @@ def test_sixteen_devices_two_pods_per_replica(tmp_path: Path) -> None:
     assert (follow.nnodes, follow.node_rank) == (2, 1)
     assert follow.master_addr == "glm5-worker-$(POD_INDEX).glm5-worker-ranks.ml.svc" == lead.master_addr
     assert "startupProbe" in container(first) and "readinessProbe" not in container(second)
+    # HCCL/NCCL/gloo connect a replica's pods on ports of their own choosing: the peers are admitted on all of them
+    ingress = kids[("NetworkPolicy", "glm5-workers")]["spec"]["ingress"]
+    (peers,) = [r["from"] for r in ingress if "ports" not in r]
+    policy = kids[("NetworkPolicy", "glm5-workers")]["spec"]
+    pods = [sts["spec"]["template"]["metadata"]["labels"] for sts in (first, second)]
+    assert all(_selects(policy["podSelector"], labels) for labels in pods)  # the policy covers the followers too
+    assert any(all(_selects(p["podSelector"], labels) for labels in pods) for p in peers)
+    assert not _selects(policy["podSelector"], kids[("Deployment", "glm5-router")]["spec"]["template"]["metadata"][
+        "labels"])  # fmt: skip
     # rank ids: the table lists pod 0's devices as ranks 0-7 and pod 1's as 8-15; the worker on node k runs
     # ranks k * 8 + local, on the device the table gives each rank
     devices = [parse_annotation(f"p{k}", f"10.0.0.{k}", _annotation(f"192.168.0.{k}", 8), 8) for k in range(2)]
@@ -130,3 +139,12 @@ def test_worker_waits_for_a_complete_table_and_copies_it_to_a_regular_file(tmp_p
 def _annotation(server: str, n: int) -> str:
     devices = [{"device_id": str(i), "device_ip": f"172.16.0.{i}"} for i in range(n)]
     return json.dumps({"pod_name": "p", "server_id": server, "devices": devices})
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector's matchLabels and In expressions against a pod's labels, as the API server reads them."""
+    if not selector["matchLabels"].items() <= labels.items():
+        return False
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions), expressions
+    return all(labels.get(e["key"]) in e["values"] for e in expressions)
