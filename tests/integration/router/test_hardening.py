@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,15 +202,24 @@ def _idle_within(target: str, seconds: float) -> bool:
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_leaves_cancels_its_request_and_logs_one_line(stack: dict[str, Any], stream: bool) -> None:
     body = {"model": stack["model"], "prompt": "1 + 2 =", "max_tokens": 900, "ignore_eos": True, "stream": stream}
-    with httpx2.Client(timeout=60) as http, http.stream("POST", stack["base"] + "/completions", json=body) as resp:
-        if stream:
-            for line in resp.iter_lines():
+    if stream:
+        with httpx2.Client(timeout=60) as http, http.stream("POST", stack["base"] + "/completions", json=body) as r:
+            for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # leave mid-stream
-        else:
+    else:
+        # a whole answer sends nothing before it is done (an HTTP client would wait for the headers until then):
+        # the request by hand on a socket, closed once the worker runs it, without reading anything
+        url = urllib.parse.urlsplit(stack["base"])
+        payload = json.dumps(body).encode()
+        head = (f"POST {url.path}/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\n\r\n")  # fmt: skip
+        with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+            conn.sendall(head.encode() + payload)
             deadline = time.monotonic() + 30
-            while asyncio.run(_running(stack["worker"])) == 0 and time.monotonic() < deadline:
-                time.sleep(0.02)  # until the worker runs it; then hang up without reading the answer
+            while asyncio.run(_running(stack["worker"])) == 0:
+                assert time.monotonic() < deadline, "the worker never ran the request"
+                time.sleep(0.02)
     assert _idle_within(stack["worker"], 5), "the worker kept generating for a client that left"
     log = (stack["logs"] / "router.log").read_text()
     assert "Traceback" not in log and "Failed to detach context" not in log
