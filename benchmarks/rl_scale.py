@@ -105,19 +105,12 @@ def rank_main(a: argparse.Namespace) -> None:
     """One trainer rank of the sync phase: rank 0 runs the rounds, the others follow its commands."""
     from glm5.security import Secret
     from glm5.tokenizer import Tokenizer
-    from glm5_trainer.distributed import World, init
-    from glm5_trainer.policy import Policy
-    from glm5_trainer.ranks import Ranks
     from glm5_trainer.sync import CollectiveSync, manifest, sync_engines
-    from glm5_trainer.versions import WeightVersions, sync_workers
+    from glm5_trainer.versions import sync_workers
 
-    torch.set_num_threads(1)
-    world = World.from_env()
-    if world.size > 1:
-        init(world, torch.device("cpu"), timeout_s=600)
-    policy = Policy(a.model, world=world, dtype=torch.float32)
-    versions = WeightVersions(policy.model, a.out, a.model, sync_every_steps=1)
-    ranks = Ranks(policy, versions, a.out / "state", world)
+    from tests.helpers.sync_trainer import open_ranks
+
+    world, policy, versions, ranks = open_ranks(a.model, a.out, timeout_s=600)
     if not world.leader:
         ranks.follow()
         return

@@ -32,6 +32,18 @@ from glm5_trainer.versions import WeightVersions
 from tests.helpers.procs import ADMIN_TOKEN, INTERNAL_TOKEN
 
 
+def open_ranks(policy_path: Path, out: Path, timeout_s: float) -> tuple[World, Policy, WeightVersions, Ranks]:
+    """This process's rank of a sharded trainer on CPU (one thread), its versions under `out` published every
+    step, and the command channel rank 0 drives the others with (also benchmarks/rl_scale.py's ranks)."""
+    torch.set_num_threads(1)
+    world = World.from_env()
+    if world.size > 1:
+        init(world, torch.device("cpu"), timeout_s=timeout_s)
+    policy = Policy(policy_path, world=world, dtype=torch.float32)
+    versions = WeightVersions(policy.model, out, policy_path, sync_every_steps=1)
+    return world, policy, versions, Ranks(policy, versions, out / "state", world)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--policy", type=Path, required=True)
@@ -42,14 +54,8 @@ def main() -> None:
     p.add_argument("--bucket-bytes", type=int, default=64 << 10)
     p.add_argument("--die-after-buckets", type=int, default=-1)
     a = p.parse_args()
-    torch.set_num_threads(1)
-    world = World.from_env()
-    if world.size > 1:
-        init(world, torch.device("cpu"), timeout_s=60)
-    policy = Policy(a.policy, world=world, dtype=torch.float32)
-    versions = WeightVersions(policy.model, a.out, a.policy, sync_every_steps=1)
+    world, policy, versions, ranks = open_ranks(a.policy, a.out, timeout_s=60)
     versions.latest = a.version
-    ranks = Ranks(policy, versions, a.out / "state", world)
     if a.publish:
         versions.publish()
     if not world.leader:
