@@ -24,7 +24,7 @@ import re
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,11 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from glm5.errors import CheckpointError
 
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# safetensors' names of what may travel: the trainer's float weights, and a pushed checkpoint's stored formats
+# (FP8 weights, INT4 words and scales, compressed-tensors' shapes) when a worker forwards one to its other hosts
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
+          "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+          "I8": torch.int8, "U8": torch.uint8}  # fmt: skip
 NAMES = {v: k for k, v in DTYPES.items()}
 MAX_BUCKET_BYTES = 4 << 30  # what one bucket may make a receiver allocate
 MAX_MANIFEST_BYTES = 256 << 20
@@ -49,15 +53,23 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # safetensors' name: F32, BF16, F16
     parts: tuple[tuple[int, int], ...] = ()  # (sender, rows of dim 0) in row order; () is all from sender 0
+    # the part that travels, [start, stop) per dimension of `shape` (the one receiver needs only that); () is all
+    box: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def sent_shape(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.box) if self.box else self.shape
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        """The bytes that travel."""
+        return math.prod(self.sent_shape) * DTYPES[self.dtype].itemsize
 
     @property
     def pieces(self) -> tuple[tuple[int, int], ...]:
         """(sender, bytes) in row order."""
-        rows = self.shape[0] if self.shape else 1
+        shape = self.sent_shape
+        rows = shape[0] if shape else 1
         per_row = self.nbytes // rows if rows else 0
         return tuple((s, n * per_row) for s, n in (self.parts or ((0, rows),)))
 
@@ -67,18 +79,28 @@ class Manifest:
     version: int
     buckets: tuple[tuple[TensorSpec, ...], ...]
     senders: int = 1
+    # a forwarded checkpoint's every stored dtype, sent or not (they decide which layers are quantized), and its
+    # config.json's quantization_config; empty for the trainer's float weights, which say it all themselves
+    stored: dict[str, str] = field(default_factory=dict)
+    quant: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for b in self.buckets for t in b)
 
     def dtypes(self) -> dict[str, str]:
-        return {t.name: t.dtype for b in self.buckets for t in b}
+        """Every tensor's stored dtype, as the loader wants it."""
+        return self.stored or {t.name: t.dtype for b in self.buckets for t in b}
 
     def to_bytes(self) -> bytes:
-        buckets = [[[t.name, list(t.shape), t.dtype, [list(p) for p in t.parts]] for t in b] for b in self.buckets]
-        return json.dumps({"version": self.version, "senders": self.senders, "buckets": buckets},
-                          separators=(",", ":")).encode()  # fmt: skip
+        buckets = [[[t.name, list(t.shape), t.dtype, [list(p) for p in t.parts], [list(d) for d in t.box]]
+                    for t in b] for b in self.buckets]  # fmt: skip
+        raw: dict[str, Any] = {"version": self.version, "senders": self.senders, "buckets": buckets}
+        if self.stored:
+            raw["stored"] = self.stored
+        if self.quant is not None:
+            raw["quant"] = self.quant
+        return json.dumps(raw, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, max_bucket_bytes: int = MAX_BUCKET_BYTES) -> Manifest:
@@ -88,10 +110,14 @@ class Manifest:
             raw = json.loads(data)
             version, senders, buckets_raw = int(raw["version"]), int(raw.get("senders", 1)), raw["buckets"]
             buckets = tuple(
-                tuple(TensorSpec(str(t[0]), tuple(int(d) for d in t[1]), str(t[2]), _parts(t)) for t in b)
+                tuple(TensorSpec(str(t[0]), tuple(int(d) for d in t[1]), str(t[2]), _parts(t), _box(t)) for t in b)
                 for b in buckets_raw
             )
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            stored = {str(k): str(v) for k, v in raw.get("stored", {}).items()}
+            quant = raw.get("quant")
+            if quant is not None and not isinstance(quant, dict):
+                raise TypeError("quant must be an object")
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise CheckpointError(f"weight sync: the manifest is malformed: {exc}") from exc
         if not 0 < senders <= MAX_SENDERS:
             raise CheckpointError(f"weight sync: {senders} senders")
@@ -106,17 +132,45 @@ class Manifest:
                 if t.parts and (sum(n for _, n in t.parts) != rows or len(t.parts) > senders
                                 or any(not 0 <= s < senders or n <= 0 for s, n in t.parts)):  # fmt: skip
                     raise CheckpointError(f"weight sync: tensor {t.name}'s parts {t.parts[:4]} do not make {rows} rows")
+                inside = len(t.box) == len(t.shape) and all(
+                    0 <= a <= b <= d for (a, b), d in zip(t.box, t.shape, strict=True)
+                )
+                if t.box and (t.parts or not inside):
+                    raise CheckpointError(f"weight sync: tensor {t.name}'s box {t.box[:8]} is not within {t.shape}")
                 seen.add(t.name)
             size = sum(segments(bucket, senders)[1])
             if size > max_bucket_bytes:
                 raise CheckpointError(f"weight sync: a bucket of {size} bytes is over the {max_bucket_bytes} limit")
-        if len(seen) > MAX_TENSORS:
-            raise CheckpointError(f"weight sync: {len(seen)} tensors is over the {MAX_TENSORS} limit")
-        return cls(version, buckets, senders)
+        if len(seen) > MAX_TENSORS or len(stored) > MAX_TENSORS:
+            raise CheckpointError(f"weight sync: {max(len(seen), len(stored))} tensors is over the {MAX_TENSORS} limit")
+        bad = next((k for k, v in stored.items() if not _NAME.match(k) or v not in STORED_DTYPES), None)
+        if bad is not None:
+            raise CheckpointError(f"weight sync: bad stored tensor {bad[:80]!r} ({stored[bad][:16]})")
+        if stored and not seen <= stored.keys():
+            raise CheckpointError("weight sync: a tensor sent is missing from the stored dtypes")
+        return cls(version, buckets, senders, stored, quant)
+
+
+STORED_DTYPES = frozenset({*DTYPES, "F64", "BOOL"})  # what a checkpoint may hold (the loader refuses the rest)
 
 
 def _parts(t: list[Any]) -> tuple[tuple[int, int], ...]:
     return tuple((int(s), int(n)) for s, n in t[3]) if len(t) > 3 else ()
+
+
+def _box(t: list[Any]) -> tuple[tuple[int, int], ...]:
+    return tuple((int(a), int(b)) for a, b in t[4]) if len(t) > 4 else ()
+
+
+def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A loader's read index as [start, stop) per dimension; () when it reads the whole tensor."""
+    box = []
+    for d, size in enumerate(shape):
+        start, stop, step = (index[d] if d < len(index) else slice(None)).indices(size)
+        if step != 1:
+            raise ValueError(f"a strided read {index[d]} cannot travel as a box")
+        box.append((start, max(start, stop)))
+    return () if all(a == 0 and b == size for (a, b), size in zip(box, shape, strict=True)) else tuple(box)
 
 
 def _aligned(n: int) -> int:
@@ -152,14 +206,17 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> tuple[tuple[
 
 
 class Received:
-    """A tensor of a received bucket, read as the loader reads a file's (loader.TensorSource)."""
+    """A tensor of a received bucket, read as the loader reads a file's (loader.TensorSource). With a box, only
+    that part of the `shape` tensor came; reads must lie inside it."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+    def __init__(self, tensor: torch.Tensor, shape: tuple[int, ...] | None = None,
+                 box: tuple[tuple[int, int], ...] = ()) -> None:  # fmt: skip
+        self.tensor, self.box = tensor, box
+        self._shape = tuple(tensor.shape) if shape is None else shape
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
+        return self._shape
 
     @property
     def dtype(self) -> str:
@@ -170,7 +227,15 @@ class Received:
         return self.tensor.numel() * self.tensor.element_size()
 
     def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
-        return self.tensor[index] if index else self.tensor
+        if not self.box:
+            return self.tensor[index] if index else self.tensor
+        local = []
+        for (a, b), (start, stop) in zip(self.box, box_of(index, self._shape) or ((0, n) for n in self._shape),
+                                         strict=True):  # fmt: skip
+            if not a <= start <= stop <= b:
+                raise CheckpointError(f"weight sync: a read of [{start}, {stop}) where only [{a}, {b}) was sent")
+            local.append(slice(start - a, stop - a))
+        return self.tensor[tuple(local)]
 
 
 def route_address(host: str, port: int) -> str:
@@ -313,9 +378,9 @@ def send(groups: dict[str, Group], rank: int, manifest: Manifest,
 
 def _bytes_of(tensor: torch.Tensor, spec: TensorSpec, nbytes: int) -> torch.Tensor:
     t = tensor.detach().to("cpu", DTYPES[spec.dtype]).contiguous()
-    if tuple(t.shape[1:]) != spec.shape[1:] or t.numel() * t.element_size() != nbytes:
+    if tuple(t.shape[1:]) != spec.sent_shape[1:] or t.numel() * t.element_size() != nbytes:
         raise ValueError(f"{spec.name}: a piece of shape {tuple(t.shape)} where the manifest has {nbytes} bytes of "
-                         f"{spec.shape}")  # fmt: skip
+                         f"{spec.sent_shape}")  # fmt: skip
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -366,7 +431,7 @@ class Receiver:
             for spec, where in zip(bucket, segments(bucket, self.senders)[0], strict=True):
                 views = [flats[s][at : at + n].view(DTYPES[spec.dtype]) for s, at, n in where]
                 whole = views[0] if len(views) == 1 else torch.cat(views)
-                yield spec.name, Received(whole.reshape(spec.shape))
+                yield spec.name, Received(whole.reshape(spec.sent_shape), spec.shape, spec.box)
 
     def _post(self, k: int) -> tuple[list[torch.Tensor], list[Any]]:
         sizes = segments(self.manifest.buckets[k], self.senders)[1]

@@ -1,11 +1,14 @@
-"""The collective weight-sync transport (issue 35, item 5): a 2-rank sharded trainer broadcasts its weights in
-buckets over a gloo group per engine replica, into a tensor-parallel-2 worker and into a replica over two
-`glm5 worker` processes (--nnodes 2, whose second host has no gRPC server and no file of the new weights). The
-engines then generate exactly what loading the published checkpoint gives, and a trainer that dies mid-sync
-changes nothing on any rank."""
+"""Weight sync into multi-rank replicas (issue 35, item 5): a 2-rank sharded trainer sends its weights in buckets
+over a gloo group per engine replica (the collective transport), into a tensor-parallel-2 worker and into a
+replica over two `glm5 worker` processes (--nnodes 2, whose second host has no gRPC server and cannot see the
+first host's weights root: its own mount namespace hides it). The published version then goes to the same
+engines by file: from disk into the first, streamed (PushWeights) into the two-host replica, whose first host
+forwards the second host's ranks their parts. Every way gives exactly the same tokens, and a trainer that dies
+mid-sync changes nothing on any rank."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -20,6 +23,7 @@ from glm5.client import sampling, worker_stub
 from glm5.model.presets import init_model
 from glm5.security import admin_metadata
 from glm5.v1 import worker_pb2
+from glm5_trainer.versions import sync_workers
 
 from tests.helpers.procs import ADMIN_TOKEN, INTERNAL_ENV, INTERNAL_TOKEN, admin_flags, free_port, start_worker, stop
 
@@ -85,7 +89,9 @@ def test_collective_sync_into_tensor_parallel_and_two_host_replicas(tiny_model: 
     two = ("-tp", "2", "--nnodes", "2", "--master-port", rdzv, "--master-addr", "127.0.0.1")
     env = {**os.environ, INTERNAL_ENV: INTERNAL_TOKEN.value}
     with open(tmp_path / "node1.log", "w") as log1:
+        hide = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs "$0" && exec "$@"', str(roots)]
         argv = [
+            *hide,
             sys.executable,
             "-m",
             "glm5_cli",
@@ -123,12 +129,19 @@ def test_collective_sync_into_tensor_parallel_and_two_host_replicas(tiny_model: 
             assert published.is_dir()
             for e in engines:
                 assert synced[e][2] == 1 and synced[e][0] != before[e][0]
-                _update_from(e, 2, _into_root(published, roots, e))  # the published files, read from disk
+            assert synced[tp2_target][0] == synced[node0_target][0]
+            _update_from(tp2_target, 2, _into_root(published, roots, tp2_target))  # the published files, from disk
+            pushed = asyncio.run(sync_workers([node0_target], 2, published, admin_token=ADMIN_TOKEN,
+                                              transport="stream", internal_token=INTERNAL_TOKEN))  # fmt: skip
+            assert set(pushed) == {node0_target}
+            for e in engines:
                 ids, logps, version = _greedy(e)
                 assert version == 2
                 assert ids == synced[e][0]
                 assert _close(logps, synced[e][1])
             assert node1.poll() is None  # the second host took its ranks' part without a file or a server
+            assert "weights v2 swapped in" in (tmp_path / "node1.log").read_text()
+            assert not list((roots / ".pushed").iterdir())  # the staged copy is gone
         finally:
             assert stop(node0) == 0
         assert node1.wait(timeout=30) == 0

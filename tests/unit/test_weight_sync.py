@@ -52,7 +52,8 @@ def test_every_tensor_is_an_aligned_view_whatever_came_before() -> None:
 @pytest.mark.parametrize(
     ("buckets", "message"),
     [
-        ([[["w", [2], "I64"]]], "dtype"),  # only float weights travel
+        ([[["w", [2], "F64"]]], "dtype"),  # only the formats weights are served or stored in travel
+        ([[["w", [2], "Q9"]]], "dtype"),
         ([[["w", [2], "F32"], ["w", [2], "F32"]]], "repeated"),
         ([[["../w", [2], "F32"]]], "bad"),
         ([[["w", [-1], "F32"]]], "shape"),
@@ -61,6 +62,9 @@ def test_every_tensor_is_an_aligned_view_whatever_came_before() -> None:
         ([[["w", [3], "F32", [[0, 2]]]]], "parts"),  # rows that do not add up
         ([[["w", [3], "F32", [[0, 1], [2, 2]]]]], "parts"),  # a sender the group does not have
         ([[["w", [3], "F32", [[0, 3], [1, 0]]]]], "parts"),  # an empty part
+        ([[["w", [3, 2], "F32", [], [[0, 4], [0, 2]]]]], "box"),  # beyond the tensor
+        ([[["w", [3, 2], "F32", [], [[0, 3]]]]], "box"),  # not one range per dimension
+        ([[["w", [3], "F32", [[0, 3]], [[0, 2]]]]], "box"),  # split over senders and boxed
     ],
 )
 def test_a_peers_manifest_is_checked(buckets: object, message: str) -> None:
@@ -68,6 +72,23 @@ def test_a_peers_manifest_is_checked(buckets: object, message: str) -> None:
         Manifest.from_bytes(json.dumps({"version": 1, "senders": 2, "buckets": buckets}).encode())
     with pytest.raises(CheckpointError, match="malformed"):
         Manifest.from_bytes(b"\x80not json")
+
+
+def test_a_forwarded_checkpoints_stored_dtypes_are_checked() -> None:
+    spec = TensorSpec("w", (4, 2), "F8_E4M3", box=((0, 2), (0, 2)))
+    m = Manifest(
+        1, ((spec,),), stored={"w": "F8_E4M3", "w_scale_inv": "F32", "x": "BF16"}, quant={"quant_method": "fp8"}
+    )
+    back = Manifest.from_bytes(m.to_bytes())
+    assert back == m and back.dtypes() == m.stored and spec.nbytes == 4 and spec.sent_shape == (2, 2)
+    for stored, message in (({"x": "F32"}, "missing"), ({"w": "F8_E4M3", "../x": "F32"}, "bad"),
+                            ({"w": "F8_E4M3", "x": "Q9"}, "bad")):  # fmt: skip
+        with pytest.raises(CheckpointError, match=message):
+            Manifest.from_bytes(Manifest(1, ((spec,),), stored=stored).to_bytes())
+    raw = json.loads(m.to_bytes())
+    raw["quant"] = [1]
+    with pytest.raises(CheckpointError, match="malformed"):
+        Manifest.from_bytes(json.dumps(raw).encode())
 
 
 def test_split_address() -> None:

@@ -167,7 +167,7 @@ def load_model(
     quant = QuantConfig.from_config(raw.get("quantization_config"))
     files = checkpoint_files(path)
     total = sum(f.stat().st_size for f in files)
-    return build_model(config, iter_tensors(files), _stored_dtypes(files), dtype, device, quant=quant, tp=tp,
+    return build_model(config, iter_tensors(files), stored_dtypes(files), dtype, device, quant=quant, tp=tp,
                        total_bytes=total, progress=progress, source=f"checkpoint {path}")  # fmt: skip
 
 
@@ -272,6 +272,69 @@ def build_model(
     return model.eval()
 
 
+class _Recorder:
+    """A checkpoint tensor in a dry run of build_model: records the part a rank reads, reads nothing (but the
+    few elements of a compressed-tensors weight_shape, whose values the loader checks)."""
+
+    SMALL = 64
+
+    def __init__(self, lazy: TensorSource) -> None:
+        self.lazy = lazy
+        self.index: tuple[slice, ...] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.lazy.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.lazy.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.lazy.nbytes
+
+    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        self.index = index
+        if math.prod(self.shape) <= self.SMALL:
+            return self.lazy.read(index)
+        part = torch.empty(self.shape, dtype=parse_stored(self.dtype), device="meta")
+        return part[index] if index else part
+
+
+def shard_reads(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, TensorSource]],
+    stored: dict[str, str],
+    dtype: torch.dtype,
+    *,
+    quant: QuantConfig | None = None,
+    tp: TensorParallel = SINGLE,
+) -> dict[str, tuple[slice, ...]]:
+    """What build_model reads of each tensor for rank `tp.rank` (its index; () is the whole tensor; a tensor it
+    does not read is absent), found by running it on the meta device: the very rules that load a shard, so a
+    sender can send a rank exactly its part. No tensor's bytes are read."""
+    recorders: list[tuple[str, _Recorder]] = []
+
+    def recording() -> Iterator[tuple[str, _Recorder]]:  # lazily: a file's tensors are readable while it is open
+        for name, lazy in tensors:
+            recorders.append((name, _Recorder(lazy)))
+            yield recorders[-1]
+
+    build_model(config, recording(), stored, dtype, "meta", quant=quant, tp=tp, progress=False)
+    return {name: r.index for name, r in recorders if r.index is not None}
+
+
+def parse_stored(name: str) -> torch.dtype:
+    """A safetensors dtype name (F32, BF16, F8_E4M3, I32, ...) as torch's dtype."""
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+    if name not in dtypes:
+        raise CheckpointError(f"unknown stored dtype {name}")
+    return dtypes[name]
+
+
 def _local_experts(model: GlmMoeDsaForCausalLM, stacked: str) -> int:
     """Experts this rank holds in the MoE layer that `stacked` (...mlp.experts.gate_up_proj) belongs to."""
     return _experts(model, int(stacked.split(".")[2])).num_experts
@@ -283,7 +346,7 @@ def _experts(model: GlmMoeDsaForCausalLM, layer_index: int) -> Experts:
     return layer.mlp.experts
 
 
-def _stored_dtypes(files: list[Path]) -> dict[str, str]:
+def stored_dtypes(files: list[Path]) -> dict[str, str]:
     """Every tensor's stored dtype (safetensors' names: F8_E4M3, BF16, ...), from the headers only."""
     out: dict[str, str] = {}
     for name, lazy in iter_tensors(files):

@@ -9,8 +9,10 @@ benchmarks drive it directly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
+import threading
 import time
 import uuid
 from collections import deque
@@ -35,7 +37,7 @@ from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from glm5_worker.engine.sparsity import SparsityController
 from glm5_worker.engine.structured import Grammars
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
-from glm5_worker.engine.weights import WeightSource
+from glm5_worker.engine.weights import Forwarder, WeightSource
 from glm5_worker.kv.block_manager import BlockManager, KVStats
 from glm5_worker.parallel.driver import ReplicaDriver, start_replica
 from glm5_worker.parallel.replica import ReplicaFailure
@@ -95,6 +97,7 @@ class Engine:
         self.max_model_len = rc.max_model_len
         self.served_model_name = rc.served_model_name
         self.replica: ReplicaDriver | None = start_replica(rc) if config.tensor_parallel_size > 1 else None
+        self._forwarder: Forwarder | None = None  # a pushed folder going to the replica's other hosts
         try:
             self.runner = ModelRunner(rc, self.tp, self.replica.device if self.replica else rc.device_for(0))
             kv = self.runner.kv_budget
@@ -271,10 +274,25 @@ class Engine:
         return self.scheduler.has_work
 
     # weights ------------------------------------------------------------------------------------------------
-    def start_weight_update(self, source: WeightSource) -> None:
-        """Tells the other ranks to start reading their shards from `source` (rank 0 reads its own meanwhile)."""
-        if self.replica is not None:
-            self.replica.load_weights(source, self.tokenizer.fingerprint)
+    @functools.cached_property
+    def max_update_bytes(self) -> int:
+        """What one weight update may bring: a few times the served weights (a float32 checkpoint of bf16 weights
+        is twice their size), plus room for the config and tokenizer files."""
+        return int(4 * self.runner.weight_bytes * self.tp.size + (64 << 20))  # this rank holds 1/tp of them
+
+    def start_weight_update(self, source: WeightSource, version: int = 0, on_this_host: bool = False) -> None:
+        """Tells the other ranks to start reading their shards from `source` (rank 0 reads its own meanwhile).
+        `on_this_host`: the folder exists on this host only, so the ranks of the replica's other hosts receive
+        their parts from this process (weights.Forwarder) instead of reading it."""
+        if self.replica is None:
+            return
+        c = self.config
+        if on_this_host and isinstance(source, str) and c.nnodes > 1:
+            self._forwarder = Forwarder(source, version, self.model_config, self.dtype, self.tp,
+                                        c.ranks_per_node, c.master_addr, c.collective_timeout_s,
+                                        self.max_update_bytes)  # fmt: skip
+            source = self._forwarder.source
+        self.replica.load_weights(source, self.tokenizer.fingerprint)
 
     def swap_weights(
         self, new_model: GlmMoeDsaForCausalLM | None, version: int, failure: Exception | None = None
@@ -283,7 +301,12 @@ class Engine:
         prefixes; nothing changes unless every rank read its shard. `failure`: rank 0's own read failed.
         Returns the seconds it took (the pause the running requests see)."""
         if self.replica is not None:
-            outcomes = self.replica.agree_weights(version, (failure is None, str(failure or "")))
+            try:
+                outcomes = self.replica.agree_weights(version, (failure is None, str(failure or "")))
+            finally:  # every rank has read (or failed): what is still sending or waiting ends, off this thread
+                if self._forwarder is not None:
+                    threading.Thread(target=self._forwarder.close, name="glm5-forward-close", daemon=True).start()
+                    self._forwarder = None
             if failure is not None:
                 raise failure
             failed = [(rank, msg) for rank, (ok, msg) in enumerate(outcomes) if not ok]

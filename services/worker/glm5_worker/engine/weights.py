@@ -3,18 +3,24 @@ tensors a trainer broadcasts over a sync group), then copy them into the live mo
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import secrets
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from glm5.errors import CheckpointError, InvalidRequestError
 from glm5.model.config import ModelConfig
-from glm5.model.loader import build_model, load_model
+from glm5.model.loader import build_model, checkpoint_files, iter_tensors, load_model, shard_reads, stored_dtypes
 from glm5.model.model import GlmMoeDsaForCausalLM
+from glm5.model.quant import QuantConfig
 from glm5.parallel import SINGLE, TensorParallel
 from glm5.tokenizer.tokenizer import Tokenizer
-from glm5.weight_sync import Receiver
+from glm5.weight_sync import Manifest, Receiver, Sender, TensorSpec, box_of, plan_buckets, send
 
 log = logging.getLogger(__name__)
 # Geometry that must match for an in-place swap (everything that shapes a tensor or the KV layout).
@@ -36,14 +42,41 @@ class SyncSpec:
     max_bytes: int  # what the manifest may declare (the trainer's float32 of our bf16 is twice our bytes)
     tokenizer_fingerprint: str = ""
     senders: int = 1  # the trainer's ranks in the group, each sending the rows it holds
+    member: int | None = None  # this rank's place in the group (None: senders + its replica rank)
 
 
-WeightSource = str | SyncSpec  # a checkpoint folder, or a sync group
+FORWARD_BUCKET_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Forwarded:
+    """A pushed checkpoint staged on rank 0's host only (a multi-pod replica under the stream transport): the
+    ranks on that host read the folder; every other host's rank receives exactly the parts of each tensor its
+    shard needs from rank 0, over a group of two (rank 0 sending) through rank 0's store."""
+
+    path: str
+    version: int
+    rendezvous: str
+    group: str  # rank r joins `group/r`
+    ranks_per_node: int
+    timeout_s: float
+    max_bytes: int
+
+    def for_rank(self, rank: int) -> str | SyncSpec:
+        if rank < self.ranks_per_node:
+            return self.path
+        return SyncSpec(self.version, self.rendezvous, f"{self.group}/{rank}", 2, self.timeout_s, self.max_bytes,
+                        member=1)  # fmt: skip
+
+
+WeightSource = str | SyncSpec | Forwarded  # a checkpoint folder, a sync group, or a folder on rank 0's host
 
 
 def read_weights(source: WeightSource, current: ModelConfig, dtype: torch.dtype, device: torch.device,
                  fingerprint: str, tp: TensorParallel = SINGLE) -> GlmMoeDsaForCausalLM:  # fmt: skip
     """This rank's shard of the new weights, from wherever they come (blocking: off the engine thread)."""
+    if isinstance(source, Forwarded):
+        source = source.for_rank(tp.rank)
     if isinstance(source, SyncSpec):
         return receive_checkpoint(source, current, dtype, device, fingerprint, tp)
     return read_checkpoint(source, current, dtype, device, fingerprint, tp)
@@ -55,16 +88,93 @@ def receive_checkpoint(spec: SyncSpec, current: ModelConfig, dtype: torch.dtype,
     memory at a time); the served geometry, so a tensor of another shape fails the update."""
     if spec.tokenizer_fingerprint and spec.tokenizer_fingerprint != fingerprint:
         raise CheckpointError("the trainer's policy has another tokenizer than the served model (fingerprint differs)")
-    receiver = Receiver(spec.rendezvous, spec.group, spec.senders + tp.rank, spec.world_size, spec.timeout_s,
-                        spec.max_bytes, senders=spec.senders)  # fmt: skip
+    member = spec.senders + tp.rank if spec.member is None else spec.member
+    receiver = Receiver(spec.rendezvous, spec.group, member, spec.world_size, spec.timeout_s, spec.max_bytes,
+                        senders=spec.senders)  # fmt: skip
     try:
-        if receiver.manifest.version != spec.version:
-            raise CheckpointError(f"the trainer sends version {receiver.manifest.version}, not {spec.version}")
-        return build_model(current, receiver.tensors(), receiver.manifest.dtypes(), dtype, device, tp=tp,
-                           total_bytes=receiver.manifest.nbytes, source=f"weight sync {spec.group}")  # fmt: skip
+        manifest = receiver.manifest
+        if manifest.version != spec.version:
+            raise CheckpointError(f"the sender sends version {manifest.version}, not {spec.version}")
+        return build_model(current, receiver.tensors(), manifest.dtypes(), dtype, device, tp=tp,
+                           quant=QuantConfig.from_config(manifest.quant), total_bytes=manifest.nbytes,
+                           source=f"weight sync {spec.group}")  # fmt: skip
     except BaseException:
         receiver.close()  # the trainer's broadcast to this group fails now rather than at its timeout
         raise
+
+
+Buckets = Iterator[list[torch.Tensor]]
+
+
+def forward_plan(path: Path, version: int, current: ModelConfig, dtype: torch.dtype, tp: TensorParallel,
+                 bucket_bytes: int = FORWARD_BUCKET_BYTES) -> tuple[Manifest, Buckets]:  # fmt: skip
+    """What rank `tp.rank` of the replica needs of the checkpoint at `path`: a manifest of the part of each
+    tensor its shard reads (the loader's own rules, run on the meta device) and the buckets' tensors, read from
+    the files as they are consumed (one bucket in memory at a time)."""
+    files = checkpoint_files(path)
+    stored = stored_dtypes(files)
+    raw = json.loads((path / "config.json").read_text()).get("quantization_config")
+    reads = shard_reads(current, iter_tensors(files), stored, dtype, quant=QuantConfig.from_config(raw), tp=tp)
+    specs = []
+    for name, lazy in iter_tensors(files):
+        if name in reads:
+            specs.append(TensorSpec(name, lazy.shape, lazy.dtype, box=box_of(reads[name], lazy.shape)))
+    manifest = Manifest(version, plan_buckets(specs, bucket_bytes), stored=stored, quant=raw)
+
+    def buckets() -> Buckets:
+        sizes = iter([len(b) for b in manifest.buckets])
+        want, bucket = next(sizes, 0), []
+        for name, lazy in iter_tensors(files):
+            if name in reads:
+                bucket.append(lazy.read(reads[name]).contiguous())
+                if len(bucket) == want:
+                    yield bucket
+                    want, bucket = next(sizes, 0), []
+
+    return manifest, buckets()
+
+
+class Forwarder:
+    """Rank 0's side of a Forwarded update: hosts the store on `address` and sends each other host's rank its
+    parts, one thread per rank; `close()` ends what is still waiting (an update that failed elsewhere)."""
+
+    def __init__(self, path: str, version: int, current: ModelConfig, dtype: torch.dtype, tp: TensorParallel,
+                 ranks_per_node: int, address: str, timeout_s: float, max_bytes: int) -> None:  # fmt: skip
+        self._sender = Sender(address, 0, timeout_s)
+        group = f"glm5-forward-{secrets.token_hex(16)}"
+        self.source = Forwarded(path, version, self._sender.rendezvous, group, ranks_per_node, timeout_s, max_bytes)
+        self._stop = threading.Event()
+        self.errors: dict[int, str] = {}
+        args = (Path(path), version, current, dtype, tp)
+        self._threads = [threading.Thread(target=self._send, args=(r, *args), name=f"glm5-forward-{r}", daemon=True)
+                         for r in range(ranks_per_node, tp.size)]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def _send(self, rank: int, path: Path, version: int, current: ModelConfig, dtype: torch.dtype,
+              tp: TensorParallel) -> None:  # fmt: skip
+        name = f"{self.source.group}/{rank}"
+        try:
+            manifest, buckets = forward_plan(path, version, current, dtype,
+                                             dataclasses.replace(tp, rank=rank, group=None))  # fmt: skip
+            self._sender.wait_engines(name, 1, 2, abandoned=self._stop.is_set)
+            group = self._sender.group(name, 1, 2)
+            try:
+                failed = send({name: group}, 0, manifest, buckets)
+            finally:
+                group.pg.abort()
+            if failed:
+                self.errors[rank] = failed[name]
+        except Exception as exc:  # the rank's read fails on its side too: the update is refused there
+            self.errors[rank] = str(exc)
+        if rank in self.errors:
+            log.warning("forwarding weights v%d to rank %d failed: %s", version, rank, self.errors[rank])
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=self.source.timeout_s)
+        self._sender.close()
 
 
 def read_checkpoint(

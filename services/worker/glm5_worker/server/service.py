@@ -299,7 +299,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except _NotNewer as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         try:
-            return await self._update(version, str(staged), context)
+            return await self._update(version, str(staged), context, on_this_host=True)
         finally:  # the weights are in memory now (or refused): the staged copy is not needed
             await asyncio.to_thread(shutil.rmtree, staged, True)
 
@@ -338,8 +338,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def max_push_bytes(self) -> int:
         """What one push may declare: a few times the served weights (a float32 checkpoint of bf16 weights is
         twice their size), plus room for the config and tokenizer files."""
-        eng = self.engine.engine
-        return int(4 * eng.runner.weight_bytes * eng.tp.size + (64 << 20))  # this rank holds 1/tp of them
+        return self.engine.engine.max_update_bytes
 
     def _check_newer(self, version: int) -> None:
         served = self.engine.engine.weight_version
@@ -347,8 +346,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             raise _NotNewer(f"version: must be greater than the served {served}, got {version}")
 
     async def _update(
-        self, version: int, source: WeightSource, context: grpc.aio.ServicerContext
+        self, version: int, source: WeightSource, context: grpc.aio.ServicerContext, on_this_host: bool = False
     ) -> worker_pb2.UpdateWeightsResponse:
+        """`on_this_host`: the folder is on this pod only (a push), so the replica's other pods get their parts
+        from this one."""
         eng = self.engine.engine
         async with self._weights_lock:  # one update at a time; versions stay ordered
             try:
@@ -357,7 +358,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             start = time.perf_counter()
             # the other ranks read their shards meanwhile; all swap, or none does
-            await self.engine.run(functools.partial(eng.start_weight_update, source))
+            await self.engine.run(functools.partial(eng.start_weight_update, source, version, on_this_host))
             new, failure = None, None
             try:
                 read = functools.partial(read_weights, source, eng.model_config, eng.dtype, eng.device,
