@@ -30,6 +30,7 @@ PLURALS = {
     "Deployment": "deployments",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
     "GLM5Deployment": "glm5deployments",
     "RLJob": "rljobs",
 }

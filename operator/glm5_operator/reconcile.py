@@ -255,6 +255,15 @@ class Reconciler:
             ])  # fmt: skip
             raise WaitingFor(message)
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        trainer = self.kube.get(Ref("apps/v1", "StatefulSet", ns, child_name(name, "trainer")))
+        if trainer is not None and bool(trainer["spec"].get("volumeClaimTemplates")) != (spec.trainer.nodes == 1):
+            problem = InvalidSpec([
+                f"spec.trainer.nodes: {spec.trainer.nodes} moves the trainer between its own checkpoint claim (1 "
+                "pod) and one shared by its pods (more than 1), which cannot change once the job runs; create a new "
+                "RLJob (its policy can be this job's last version)"
+            ])  # fmt: skip
+            self._set_status(body, {"phase": "Failed"}, invalid_spec_conditions(gen, str(problem)))
+            raise problem
         succeeded = self._rljob_succeeded(body, spec)
         outcomes = self._apply(body, rljob_children(name, ns, spec, self.config, ref_spec, succeeded), new)
         self._rljob_status(body, spec, ref_spec, succeeded)
@@ -336,7 +345,7 @@ class Reconciler:
             version = status.get("policyVersion") if self._recorded_success(body, spec) else None
             if version is None:
                 version = (self._trainer_report(body) or {}).get("version")
-            checkpoint = {"claim": rl.checkpoint_claim(name)}
+            checkpoint = {"claim": rl.checkpoint_claim(name, spec.trainer.nodes)}
             if isinstance(version, int):
                 checkpoint["path"] = rl.synced_path(version)
             where = f"{checkpoint.get('path', 'actor_synced/')} on claim {checkpoint['claim']}"
@@ -353,7 +362,9 @@ class Reconciler:
         gateway = rollout(self.kube.get(Ref("apps/v1", "Deployment", ns, child_name(name, "gateway"))),
                           spec.gateway.replicas, "availableReplicas")  # fmt: skip
         trainer = rollout(
-            self.kube.get(Ref("apps/v1", "StatefulSet", ns, child_name(name, "trainer"))), 1, "readyReplicas"
+            self.kube.get(Ref("apps/v1", "StatefulSet", ns, child_name(name, "trainer"))),
+            spec.trainer.nodes,
+            "readyReplicas",
         )
         if ref_spec is not None:
             assert spec.rollout.deployment_ref is not None
@@ -394,7 +405,8 @@ class Reconciler:
             template = manifest.get("spec", {}).get("template")
             if template is not None:  # pods map back to their owner (rank tables, status)
                 template["metadata"]["labels"].update(owner_labels)
-            self.adopt(manifest, owner)
+            if child.owned:
+                self.adopt(manifest, owner)
             outcomes[f"{child.kind}/{child.name}"] = self.kube.apply(manifest, child.create_only, new)
         return outcomes
 

@@ -1,7 +1,9 @@
 """An RLJob from `kubectl apply` to trained weights, without a cluster (issue 18): the chart's examples/rljob.yaml
 on the cpu.yaml deployment's workers, its trainer and gateway run as pods by the test pod runner. The trainer reads
 its policy and dataset from the claims examples/demo-data.yaml filled, and sends every version to the workers by
-collective (its two ranks' shards straight into the workers' ranks, no file)."""
+collective (its ranks' shards straight into the workers' ranks, no file). The trainer runs over two pods of two
+ranks each: four ranks, pod 1 finding pod 0's rendezvous by its stable name, both writing one DCP checkpoint and
+each version on the claim they share."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ async def _weight_version(address: str, token: str) -> int:
     return int(info.weight_version)
 
 
+@pytest.mark.pod_runner(nodes=2)  # pods placed on two nodes in turn
 async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: Cluster, tmp_path: Path) -> None:
     await cluster.fill_demo_claims()
     await cluster.kubectl("apply", "-f", str(EXAMPLES / "cpu.yaml"))
@@ -39,9 +42,10 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     # after every step, a held-out evaluation long enough for a progress poll to see the finished steps.
     job = yaml.safe_load((EXAMPLES / "rljob.yaml").read_text())
     name = job["metadata"]["name"]
-    # and the trainer as two ranks (devices: 2 on cpu: two processes in its pod, the policy sharded over them)
+    # and the trainer as two pods of two ranks (devices: 2 on cpu: two processes in each pod, the policy sharded
+    # over all four)
     job["spec"]["trainer"] |= {"steps": 2, "syncEverySteps": 1, "groupSize": 4, "groupsPerStep": 2, "evalSize": 24,
-                               "devices": 2}  # fmt: skip
+                               "devices": 2, "nodes": 2}  # fmt: skip
     (tmp_path / "rljob.yaml").write_text(yaml.safe_dump(job))
     await cluster.kubectl("apply", "-f", str(tmp_path / "rljob.yaml"))
 
@@ -52,6 +56,7 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
         if status.get("phase") == "Running":
             seen.append(
                 {k: status.get(k) for k in ("trainedSteps", "policyVersion", "lastSyncTime", "trainerWorldSize")}
+                | {"trainerReady": cluster.condition(RLJOBS, name, "TrainerReady").get("status")}
             )
         return cluster.condition(RLJOBS, name, "Succeeded").get("status") == "True"
 
@@ -61,7 +66,9 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     # before the job ended, its status already showed what the running trainer reported (how many steps a poll
     # catches mid-run is a race: a job this small trains its 2 steps faster than polls come on a loaded machine)
     assert any(isinstance(s["trainedSteps"], int) and isinstance(s["policyVersion"], int) for s in seen), seen
-    assert any(s["trainerWorldSize"] == 2 for s in seen), seen
+    assert any(s["trainerWorldSize"] == 4 for s in seen), seen
+    # both pods were ready at once: pod 0 serves the status, pod 1's first rank its health alone
+    assert any(s["trainerReady"] == "True" for s in seen), seen
     status = cluster.get(RLJOBS, name)["status"]
     assert status["phase"] == "Succeeded" and status["completedSteps"] == status["trainedSteps"] == 2
     version = status["policyVersion"]
@@ -70,9 +77,12 @@ async def test_rljob_example_trains_and_the_workers_serve_its_weights(cluster: C
     # the final checkpoint is on the claim the job names, at the path it names
     checkpoint = cluster.runner.workdir / "claims" / status["checkpoint"]["claim"] / status["checkpoint"]["path"]
     assert json.loads((checkpoint / "version.json").read_text())["steps"] == 2
-    # written by both ranks: a file each (or more) and the index
+    # written by the ranks of both pods on the claim they share: a file each (or more) and the index
+    assert status["checkpoint"]["claim"] == f"checkpoints-{name}-trainer"
     assert (checkpoint / "model.safetensors.index.json").is_file() and (checkpoint / "tokenizer.json").is_file()
-    assert len(list(checkpoint.glob("model-*.safetensors"))) >= 2
+    assert len(list(checkpoint.glob("model-*.safetensors"))) >= 4
+    pods = [cluster.runner.pods[f"{name}-trainer-{i}"] for i in range(2)]
+    assert pods[0].node != pods[1].node  # on two nodes: only a ReadWriteMany claim lets both mount it
 
     # the rollout workers serve it: it reached them over the network, by collective from the trainer's ranks
     # (they mount neither the trainer's claim nor any other volume it wrote to)

@@ -14,6 +14,7 @@ from glm5_operator.api.base import Spec
 from glm5_operator.api.deployment import ModelSource, Workers
 
 MAX_SYNC_INTERVAL_S = 1800
+TRAINER_STATUS_PORT = 8081  # `glm5 trainer --status-port`: GET /status (the operator polls it), /healthz
 PRESETS: dict[str, tuple[float, float]] = {"math": (0.15, 0.35), "terminal": (0.05, 0.25)}
 
 
@@ -39,6 +40,26 @@ class Trainer(Spec):
         le=64,
         description="Accelerators for the trainer (on cpu: processes): one trainer rank each, the policy sharded "
         "over them with FSDP2 (`glm5 trainer --nproc-per-node`).",
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Trainer pods, each running `devices` ranks (world size nodes x devices): pod 0 hosts the "
+        "rendezvous on masterPort, the others find it by its stable name. Over 1 the pods share one ReadWriteMany "
+        "checkpoint claim (checkpointStorageClass) instead of a claim of their own, so a job keeps 1 or more than "
+        "1 for its life.",
+    )
+    master_port: int = Field(29500, ge=1024, le=65535, description="Trainer pod 0's rendezvous port (nodes > 1).")
+    checkpoint_storage_class: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="Storage class of the shared ReadWriteMany checkpoint claim when nodes > 1 (default: the "
+        "cluster's default class, which must offer ReadWriteMany: NFS, CephFS, a cloud file store).",
+    )
+    checkpoint_size: str = Field(
+        "100Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$", description="Checkpoint claim size."
     )
     accelerator: Literal["ascend-910b", "nvidia", "cpu"] = Field("cpu", description="Trainer device type.")
     learning_rate: float = Field(1e-6, gt=0, description="Optimizer learning rate.")

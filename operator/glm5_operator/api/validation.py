@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from glm5_operator.api.deployment import GLM5DeploymentSpec, ModelSource, Workers
-from glm5_operator.api.rljob import RLJobSpec
+from glm5_operator.api.rljob import TRAINER_STATUS_PORT, RLJobSpec
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -87,6 +87,8 @@ def rljob_problems(spec: RLJobSpec) -> list[str]:
     t = spec.trainer
     if t.task_preset == "custom" and (t.eps_low is None or t.eps_high is None):
         out.append("spec.trainer: taskPreset custom needs epsLow and epsHigh")
+    if t.nodes > 1 and t.master_port in (TRAINER_STATUS_PORT, t.sync_port):
+        out.append(f"spec.trainer.masterPort: {t.master_port} is already the trainer's status or sync port")
     d = spec.dataset
     mount = d.mount_path.rstrip("/") + "/"
     if d.pvc_name and not d.uri.startswith(mount):

@@ -19,6 +19,7 @@ class Child:
     # Created when missing but never patched by the spec reconcile: its data has another writer
     # (the rank-table ConfigMap is filled in from the pods' device annotations).
     create_only: bool = False
+    owned: bool = True  # deleted with its owner (ownerReferences); False: kept, like a StatefulSet's claims
 
     @property
     def kind(self) -> str:
@@ -84,8 +85,15 @@ def rljob_children(
         Child(rl.rl_config_map(name, namespace, settings, gateway)),
         Child(rl.gateway_deployment(name, namespace, spec, gateway, config, client_of)),
         Child(rl.gateway_service(name, namespace, spec)),
-        Child(rl.trainer_stateful_set(name, namespace, spec, settings, config, client_of)),
     ]
+    if spec.trainer.nodes > 1:
+        out += [
+            Child(rl.trainer_ranks_service(name, namespace, spec)),
+            # never patched (a bound claim's spec is immutable) and not owned: it outlives the job, as the
+            # StatefulSet's own claims do
+            Child(rl.shared_checkpoint_claim(name, namespace, spec), create_only=True, owned=False),
+        ]
+    out.append(Child(rl.trainer_stateful_set(name, namespace, spec, settings, config, client_of)))
     if succeeded:
         for child in out:
             if child.kind in ("StatefulSet", "Deployment"):

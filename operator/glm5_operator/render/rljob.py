@@ -1,4 +1,5 @@
-"""RLJob children: RL hyper-parameter ConfigMap, TITO gateway Deployment + Service, trainer StatefulSet, and
+"""RLJob children: RL hyper-parameter ConfigMap, TITO gateway Deployment + Service, trainer StatefulSet (with a
+headless Service and a shared checkpoint claim when it spans several pods), and
 rollout workers when the job has no deploymentRef (the same worker manifests a GLM5Deployment gets).
 """
 
@@ -7,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from glm5_operator.api.deployment import GLM5DeploymentSpec, Workers
-from glm5_operator.api.rljob import RLJobSpec
+from glm5_operator.api.rljob import TRAINER_STATUS_PORT, RLJobSpec
 from glm5_operator.config import OperatorConfig
 from glm5_operator.render.common import (
     CONFIG_HASH_ANNOTATION,
@@ -31,19 +32,66 @@ from glm5_operator.render.network import (
     admin_volume,
     internal_volume,
 )
-from glm5_operator.render.workers import ACCELERATOR_RESOURCE, ALL_INTERFACES, model_volume, worker_address
+from glm5_operator.render.workers import (
+    ACCELERATOR_RESOURCE,
+    ALL_INTERFACES,
+    POD_INDEX_LABEL,
+    model_volume,
+    worker_address,
+)
 
 GATEWAY_FILE = "gateway.json"  # `glm5 tito-gateway --config`
 TRAINER_FILE = "trainer.json"  # `glm5 trainer --config`
 RL_DIR = "/etc/glm5/rl"
 CHECKPOINT_DIR = WEIGHTS_ROOT
-TRAINER_STATUS_PORT = 8081  # `glm5 trainer --status-port`: GET /status (the operator polls it), /healthz
 TERMINATION_LOG = "/dev/termination-log"  # the container's termination message (Kubernetes' default path)
 
 
-def checkpoint_claim(job: str) -> str:
-    """The trainer's checkpoint claim, as the StatefulSet controller names it (<template>-<pod>)."""
-    return f"checkpoints-{child_name(job, 'trainer')}-0"
+def checkpoint_claim(job: str, nodes: int = 1) -> str:
+    """The trainer's checkpoint claim: one trainer pod's own, as the StatefulSet controller names it
+    (<template>-<pod>); the one its pods share when it has several."""
+    return f"checkpoints-{child_name(job, 'trainer')}" + ("-0" if nodes == 1 else "")
+
+
+def trainer_ranks_service_name(job: str) -> str:
+    return child_name(job, "trainer-ranks")
+
+
+def trainer_master_addr(job: str, namespace: str) -> str:
+    """Trainer pod 0's stable name (the headless Service's record for it): the rendezvous of a multi-pod trainer."""
+    return f"{child_name(job, 'trainer')}-0.{trainer_ranks_service_name(job)}.{namespace}.svc"
+
+
+def trainer_ranks_service(job: str, namespace: str, spec: RLJobSpec) -> dict[str, Any]:
+    """Headless: each trainer pod's stable name resolves as soon as it runs (the others rendezvous at pod 0's
+    before any is ready)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(trainer_ranks_service_name(job), namespace, job, "trainer"),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector(job, "trainer"),
+            "ports": [{"name": "rendezvous", "port": spec.trainer.master_port, "targetPort": "rendezvous"}],
+        },
+    }
+
+
+def shared_checkpoint_claim(job: str, namespace: str, spec: RLJobSpec) -> dict[str, Any]:
+    """The claim every pod of a multi-pod trainer mounts: the ranks write one DCP checkpoint and each version
+    together, and resume from it on any pod (a claim per pod cannot hold that)."""
+    t = spec.trainer
+    size = {"requests": {"storage": t.checkpoint_size}}
+    claim: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": size}
+    if t.checkpoint_storage_class:
+        claim["storageClassName"] = t.checkpoint_storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": metadata(checkpoint_claim(job, t.nodes), namespace, job, "trainer"),
+        "spec": claim,
+    }
 
 
 def synced_path(version: int) -> str:
@@ -102,6 +150,8 @@ def rl_settings(job: str, namespace: str, spec: RLJobSpec, engines: str) -> dict
         "environment": spec.dataset.environment,
         # one rank per device, the policy sharded over them (FSDP2); rank 0 runs the loop
         "nproc-per-node": t.devices,
+        # over several pods: pod i is node i (--node-rank and --master-addr are in each pod's args)
+        **({"nnodes": t.nodes, "master-port": t.master_port} if t.nodes > 1 else {}),
         "activation-checkpointing": t.activation_checkpointing,
     }
 
@@ -257,23 +307,37 @@ def trainer_stateful_set(
                                  "failureThreshold": 3}  # fmt: skip
     trainer["terminationMessagePath"] = TERMINATION_LOG
     trainer["terminationMessagePolicy"] = "File"
+    sts: dict[str, Any] = {
+        "replicas": t.nodes,
+        "serviceName": child_name(job, "gateway"),
+        "selector": {"matchLabels": selector(job, "trainer")},
+        "template": template,
+    }
+    if t.nodes == 1:
+        # Versioned checkpoints (actor_synced / actor_ema) outlive trainer restarts.
+        sts["volumeClaimTemplates"] = [
+            {
+                "metadata": {"name": "checkpoints"},
+                "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": t.checkpoint_size}}},
+            }
+        ]
+    else:
+        # pod i is node i; all start at once (pod 0 is ready only once every node has joined)
+        sts["serviceName"] = trainer_ranks_service_name(job)
+        sts["podManagementPolicy"] = "Parallel"
+        template["spec"]["volumes"].append(
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_claim(job, t.nodes)}}
+        )
+        trainer.setdefault("env", []).append(
+            {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}
+        )
+        trainer["args"] += ["--node-rank", "$(POD_INDEX)", "--master-addr", trainer_master_addr(job, namespace)]
+        trainer["ports"].append({"name": "rendezvous", "containerPort": t.master_port, "protocol": "TCP"})
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": metadata(child_name(job, "trainer"), namespace, job, "trainer"),
-        "spec": {
-            "replicas": 1,
-            "serviceName": child_name(job, "gateway"),
-            "selector": {"matchLabels": selector(job, "trainer")},
-            "template": template,
-            # Versioned checkpoints (actor_synced / actor_ema) outlive trainer restarts.
-            "volumeClaimTemplates": [
-                {
-                    "metadata": {"name": "checkpoints"},
-                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "100Gi"}}},
-                }
-            ],
-        },
+        "spec": sts,
     }
 
 

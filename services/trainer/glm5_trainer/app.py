@@ -23,7 +23,7 @@ from glm5.security import (
 from glm5_trainer.distributed import World
 from glm5_trainer.loop import MODES, Result, RLConfig, RLRun, open_trainer
 from glm5_trainer.loss import PRESETS, TrustRegion
-from glm5_trainer.status import serve_status
+from glm5_trainer.status import serve_health, serve_status
 from glm5_trainer.versions import TRANSPORTS
 
 
@@ -200,7 +200,10 @@ def run(a: argparse.Namespace) -> None:
         # rank 0 decides when to stop (it finishes the step and publishes): a signal here would break that
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        open_trainer(config, world).ranks.follow()
+        trainer = open_trainer(config, world)
+        if a.status_port and world.local_rank == 0:  # the first rank of another host: its pod's readiness
+            serve_health(a.status_host, a.status_port)
+        trainer.ranks.follow()
         return
 
     async def main() -> Result:

@@ -31,6 +31,7 @@ KEYS = {
     "StatefulSet": "apps/v1/statefulsets",
     "Deployment": "apps/v1/deployments",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
+    "PersistentVolumeClaim": "v1/persistentvolumeclaims",
     **PLURAL,
 }
 

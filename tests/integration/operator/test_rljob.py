@@ -68,6 +68,34 @@ async def test_own_rollout_workers_and_explicit_trust_region(cluster: Cluster) -
     assert cluster.obj("RLJob", "rl")["status"]["phase"] == "Pending"
 
 
+async def test_a_trainer_over_two_pods_and_its_fixed_volume_layout(cluster: Cluster) -> None:
+    spec = {"policy": {"path": "/models/tiny"}, "rollout": {"deploymentRef": "serve"},
+            "trainer": {"nodes": 2, "devices": 2}, "dataset": {"uri": "/data/addition.jsonl"}}  # fmt: skip
+    await cluster.apply_cr("GLM5Deployment", "serve", {"model": {"path": "/models/tiny"}})
+    await cluster.apply_cr("RLJob", "rl", spec)
+    extra = [("Service", "rl-trainer-ranks"), ("PersistentVolumeClaim", "checkpoints-rl-trainer")]
+    await eventually(lambda: all(cluster.exists(*c) for c in [*JOB_CHILDREN, *extra]), what="a two-pod trainer")
+    assert cluster.obj("StatefulSet", "rl-trainer")["spec"]["replicas"] == 2
+    assert (_rl(cluster)["nnodes"], _rl(cluster)["nproc-per-node"]) == (2, 2)
+    claim = cluster.obj("PersistentVolumeClaim", "checkpoints-rl-trainer")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and not claim["metadata"].get("ownerReferences")
+    # one ready trainer pod of two is not a ready trainer
+    await cluster.patch("StatefulSet", "rl-trainer", {"status": {"readyReplicas": 1, "updatedReplicas": 2}}, "status")
+    trainer = await eventually(lambda: cluster.condition("RLJob", "rl", "TrainerReady"))
+    assert trainer["status"] == "False"
+    await cluster.patch("StatefulSet", "rl-trainer", {"status": {"readyReplicas": 2, "updatedReplicas": 2}}, "status")
+    await eventually(lambda: cluster.condition("RLJob", "rl", "TrainerReady")["status"] == "True")  # type: ignore[index]
+
+    # back to one pod would move the checkpoints to another claim: refused, nothing changed
+    written = cluster.versions("StatefulSet", "rl-trainer")
+    await cluster.patch_spec("RLJob", "rl", {"trainer": {"nodes": 1}})
+    ready = await eventually(lambda: (c := cluster.condition("RLJob", "rl", "Ready")) and c["reason"] == "InvalidSpec"
+                             and c, what="the refused change")  # fmt: skip
+    assert "spec.trainer.nodes: 1" in ready["message"] and "new RLJob" in ready["message"]
+    assert cluster.versions("StatefulSet", "rl-trainer") == written
+    assert cluster.obj("StatefulSet", "rl-trainer")["spec"]["replicas"] == 2
+
+
 async def test_invalid_rljob_is_reported_and_applies_nothing(cluster: Cluster) -> None:
     spec = {"policy": {"path": "/m"}, "rollout": {}, "trainer": {"taskPreset": "custom"}, "dataset": {"uri": "/d"}}
     await cluster.apply_cr("RLJob", "rl", spec)

@@ -75,7 +75,12 @@ def test_rbac_covers_every_child_the_operator_creates() -> None:
     config = OperatorConfig()
     spec = parse_deployment({"model": {"path": "/m"}, "workers": {"accelerator": "ascend-910b"}})
     job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {}}, "dataset": {"uri": "/d"}})
-    children = [*deployment_children("x", "ns", spec, config), *rljob_children("y", "ns", job, config, None)]
+    # a trainer over two pods adds its headless Service and the claim its pods share
+    pods = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {}}, "dataset": {"uri": "/d"},
+                        "trainer": {"nodes": 2}})  # fmt: skip
+    children = [*deployment_children("x", "ns", spec, config), *rljob_children("y", "ns", job, config, None),
+                *rljob_children("z", "ns", pods, config, None)]  # fmt: skip
+    assert "PersistentVolumeClaim" in {c.kind for c in children}
     allowed = {
         (g, res, v) for _, r in _rules(render()) for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]
     }

@@ -379,3 +379,51 @@ def test_trainer_mounts_what_its_config_names_and_syncs_weights() -> None:
 def test_dataset_claims_are_checked(dataset: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidSpec, match=message):
         parse_rljob({"policy": {"path": "/models/p"}, "rollout": {"deploymentRef": "s"}, "dataset": dataset})
+
+
+def test_a_trainer_over_two_pods(tmp_path: Path) -> None:
+    """trainer.nodes: 2: one StatefulSet of two pods started together, pod i being node i of the trainer's world
+    (its pod-index label through the downward API), rendezvousing at pod 0's stable name behind a headless Service
+    that publishes pods before they are ready, and one ReadWriteMany checkpoint claim both mount. The flags parse
+    as `glm5 trainer`'s."""
+    doc = yaml.safe_load((CHART / "examples" / "rljob.yaml").read_text())
+    doc["spec"]["trainer"] |= {"nodes": 2, "devices": 2, "checkpointStorageClass": "nfs", "checkpointSize": "1Ti"}
+    served = parse_deployment(yaml.safe_load((CHART / "examples" / "cpu.yaml").read_text())["spec"])
+    children = {(c.kind, c.name): c for c in rljob_children("job", "ml", parse_rljob(doc["spec"]), CONFIG, served)}
+    for c in children.values():
+        kubernetes_validate.validate(c.manifest, "1.33.0", strict=True)
+    sts = children["StatefulSet", "job-trainer"].manifest["spec"]
+    assert sts["replicas"] == 2 and sts["podManagementPolicy"] == "Parallel" and "volumeClaimTemplates" not in sts
+    service = children["Service", "job-trainer-ranks"].manifest["spec"]
+    assert sts["serviceName"] == "job-trainer-ranks" and service["clusterIP"] == "None"
+    assert service["publishNotReadyAddresses"] is True and service["ports"][0]["port"] == 29500
+    claim = children["PersistentVolumeClaim", "checkpoints-job-trainer"]
+    assert claim.create_only and not claim.owned  # the checkpoints outlive the job, as a StatefulSet's claims do
+    assert claim.manifest["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Ti"}},
+                                      "storageClassName": "nfs"}  # fmt: skip
+    pod = sts["template"]["spec"]
+    assert _mounted(pod, "/var/lib/glm5/checkpoints") == {
+        "name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints-job-trainer"}}  # fmt: skip
+    container = pod["containers"][0]
+    assert {
+        "name": "POD_INDEX",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+    } in container["env"]
+    assert {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"} in container["ports"]
+    path = tmp_path / "trainer.json"
+    path.write_text(children["ConfigMap", "job-rl"].manifest["data"]["trainer.json"])
+    # what the kubelet runs in pod 1 (it expands $(POD_INDEX) from the env)
+    args = [a.replace("$(POD_INDEX)", "1").replace("$(POD_IP)", "10.0.0.7") for a in container["args"]]
+    args[args.index("--config") + 1] = str(path)
+    t = parse_args(args)
+    assert (t.nnodes, t.nproc_per_node, t.node_rank, t.master_port) == (2, 2, 1, 29500)
+    assert t.master_addr == "job-trainer-0.job-trainer-ranks.ml.svc" and t.sync_address == "10.0.0.7"
+
+    with pytest.raises(InvalidSpec, match="masterPort: 29600 is already"):  # the collective's store port
+        parse_rljob({**doc["spec"], "trainer": {**doc["spec"]["trainer"], "masterPort": 29600}})
+    one = {(c.kind, c.name) for c in rljob_children("job", "ml", parse_rljob({**doc["spec"], "trainer": {}}), CONFIG,
+                                                     served)}  # fmt: skip
+    assert ("Service", "job-trainer-ranks") not in one and (
+        "PersistentVolumeClaim",
+        "checkpoints-job-trainer",
+    ) not in one
