@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
@@ -128,7 +129,7 @@ def rank_main(a: argparse.Namespace) -> None:
             versions.latest += 1
             start_t = time.perf_counter()
             if transport == "collective":
-                (result,) = asyncio.run(sync_engines(ranks, sync, {a.engine: 1}, versions.latest, fingerprint,
+                (result,) = asyncio.run(sync_engines(ranks, sync, {a.engine: a.worker_tp}, versions.latest, fingerprint,
                                                      admin_token=admin, internal_token=internal))  # fmt: skip
                 if isinstance(result, BaseException):
                     raise result
@@ -205,6 +206,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per row")
     ap.add_argument("--trainer-ranks", type=int, default=2, help="the trainer's ranks in the sync phase")
+    ap.add_argument("--worker-tp", type=int, default=1, help="the worker's tensor-parallel ranks in the sync phase "
+                    "(each receives only the parts of each tensor its shard reads)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="a small model, one round: the whole path in seconds")
@@ -238,10 +241,11 @@ def run(a: argparse.Namespace, work: Path) -> None:
     out = work / "out"
     out.mkdir()
     flags = ["--enforce-eager", "--max-model-len", "256", "--kv-cache-bytes", "16MiB", *Tokens.worker_flags(out)]
-    worker = start(["worker", "--model", str(model), *flags], tokens, work / "worker.log", 900)
+    tp = ["-tp", str(a.worker_tp)] if a.worker_tp > 1 else []
+    worker = start(["worker", "--model", str(model), *tp, *flags], tokens, work / "worker.log", 900)
     try:
         argv = ["--rank-main", "--model", str(model), "--out", str(out), "--engine", worker.target, "--rounds",
-                str(a.rounds), "--bucket-mib", str(a.bucket_mib)]  # fmt: skip
+                str(a.rounds), "--bucket-mib", str(a.bucket_mib), "--worker-tp", str(a.worker_tp)]  # fmt: skip
         codes = _ranks(a.trainer_ranks, argv, tokens.env())
         if any(codes):
             raise SystemExit(f"trainer ranks exited with {codes}; the worker's log: {worker.log}")
@@ -252,8 +256,15 @@ def run(a: argparse.Namespace, work: Path) -> None:
     r = json.loads((out / "result.json").read_text())
     gb = r["bytes"] / 1e9
     med = {t: statistics.median(v) for t, v in r["times"].items()}
-    print(f"\nweight sync: {gb:.2f} GB per version, trainer ranks {a.trainer_ranks}, bucket {a.bucket_mib} MiB; "
-          f"medians of {a.rounds} rounds after a warm-up\n")  # fmt: skip
+    print(f"\nweight sync: {gb:.2f} GB per version, trainer ranks {a.trainer_ranks}, worker ranks {a.worker_tp}, "
+          f"bucket {a.bucket_mib} MiB; medians of {a.rounds} rounds after a warm-up\n")  # fmt: skip
+    # what each worker rank took of the version, by its log (the last sync wins)
+    logged = re.findall(r"rank (\d+) receives (\d+) of the version's (\d+) bytes", Path(worker.log).read_text())
+    took = {int(r): (int(n), int(t)) for r, n, t in logged}
+    for rank, (n, total) in sorted(took.items()):
+        print(f"collective: worker rank {rank} receives {n / 1e9:.2f} of the version's {total / 1e9:.2f} GB "
+              f"({n / total:.2f})")  # fmt: skip
+    print(flush=True)
     print("| transport | seconds | GB/s | vs collective |\n|---|---:|---:|---:|")
     for t, sec in med.items():
         print(f"| {t} | {sec:.2f} | {gb / sec:.2f} | {sec / med['collective']:.2f}x |")

@@ -47,31 +47,57 @@ GROUP_NAME = re.compile(r"^[A-Za-z0-9._/-]{1,160}$")
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,300}$")
 
 
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension; () is the whole tensor
+Need = Box | None  # what one engine rank reads of a tensor (None: nothing, its shard has no part of it)
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
+    """One tensor of a sync under its on-disk name; also a loader TensorSource without data (`read` gives meta
+    tensors), which is how an engine rank finds, before any byte arrives, what it needs of each."""
+
     name: str
     shape: tuple[int, ...]
-    dtype: str  # safetensors' name: F32, BF16, F16
+    dtype: str  # safetensors' name: F32, BF16, F16, F8_E4M3, I32, ...
     parts: tuple[tuple[int, int], ...] = ()  # (sender, rows of dim 0) in row order; () is all from sender 0
-    # the part that travels, [start, stop) per dimension of `shape` (the one receiver needs only that); () is all
-    box: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def sent_shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.box) if self.box else self.shape
 
     @property
     def nbytes(self) -> int:
-        """The bytes that travel."""
-        return math.prod(self.sent_shape) * DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def rows(self) -> tuple[tuple[int, int, int], ...]:
+        """(sender, first row, end row) in row order (a 0-dim tensor is one row)."""
+        out, at = [], 0
+        for sender, n in self.parts or ((0, self.shape[0] if self.shape else 1),):
+            out.append((sender, at, at + n))
+            at += n
+        return tuple(out)
+
+    def cut(self, need: Need) -> list[tuple[int, int, int, int]]:
+        """The pieces that carry `need`: (sender, first row, end row, bytes) of the rows each sender holds
+        inside it, in row order."""
+        if need is None:
+            return []
+        shape = self.shape or (1,)
+        first, end = need[0] if need else (0, shape[0])
+        inner = math.prod(b - a for a, b in need[1:]) if need else math.prod(shape[1:])
+        size = DTYPES[self.dtype].itemsize
+        out = []
+        for sender, a, b in self.rows:
+            lo, hi = max(a, first), min(b, end)
+            if lo < hi:
+                out.append((sender, lo, hi, (hi - lo) * inner * size))
+        return out
 
     @property
     def pieces(self) -> tuple[tuple[int, int], ...]:
-        """(sender, bytes) in row order."""
-        shape = self.sent_shape
-        rows = shape[0] if shape else 1
-        per_row = self.nbytes // rows if rows else 0
-        return tuple((s, n * per_row) for s, n in (self.parts or ((0, rows),)))
+        """(sender, bytes) of the whole tensor, in row order."""
+        return tuple((sender, n) for sender, _, _, n in self.cut(()))
+
+    def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        part = torch.empty(self.shape, dtype=DTYPES[self.dtype], device="meta")
+        return part[index] if index else part
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +119,7 @@ class Manifest:
         return self.stored or {t.name: t.dtype for b in self.buckets for t in b}
 
     def to_bytes(self) -> bytes:
-        buckets = [[[t.name, list(t.shape), t.dtype, [list(p) for p in t.parts], [list(d) for d in t.box]]
-                    for t in b] for b in self.buckets]  # fmt: skip
+        buckets = [[[t.name, list(t.shape), t.dtype, [list(p) for p in t.parts]] for t in b] for b in self.buckets]
         raw: dict[str, Any] = {"version": self.version, "senders": self.senders, "buckets": buckets}
         if self.stored:
             raw["stored"] = self.stored
@@ -110,7 +135,7 @@ class Manifest:
             raw = json.loads(data)
             version, senders, buckets_raw = int(raw["version"]), int(raw.get("senders", 1)), raw["buckets"]
             buckets = tuple(
-                tuple(TensorSpec(str(t[0]), tuple(int(d) for d in t[1]), str(t[2]), _parts(t), _box(t)) for t in b)
+                tuple(TensorSpec(str(t[0]), tuple(int(d) for d in t[1]), str(t[2]), _parts(t)) for t in b)
                 for b in buckets_raw
             )
             stored = {str(k): str(v) for k, v in raw.get("stored", {}).items()}
@@ -132,11 +157,6 @@ class Manifest:
                 if t.parts and (sum(n for _, n in t.parts) != rows or len(t.parts) > senders
                                 or any(not 0 <= s < senders or n <= 0 for s, n in t.parts)):  # fmt: skip
                     raise CheckpointError(f"weight sync: tensor {t.name}'s parts {t.parts[:4]} do not make {rows} rows")
-                inside = len(t.box) == len(t.shape) and all(
-                    0 <= a <= b <= d for (a, b), d in zip(t.box, t.shape, strict=True)
-                )
-                if t.box and (t.parts or not inside):
-                    raise CheckpointError(f"weight sync: tensor {t.name}'s box {t.box[:8]} is not within {t.shape}")
                 seen.add(t.name)
             size = sum(segments(bucket, senders)[1])
             if size > max_bucket_bytes:
@@ -158,11 +178,7 @@ def _parts(t: list[Any]) -> tuple[tuple[int, int], ...]:
     return tuple((int(s), int(n)) for s, n in t[3]) if len(t) > 3 else ()
 
 
-def _box(t: list[Any]) -> tuple[tuple[int, int], ...]:
-    return tuple((int(a), int(b)) for a, b in t[4]) if len(t) > 4 else ()
-
-
-def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def box_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     """A loader's read index as [start, stop) per dimension; () when it reads the whole tensor."""
     box = []
     for d, size in enumerate(shape):
@@ -177,19 +193,51 @@ def _aligned(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def segments(bucket: Sequence[TensorSpec], senders: int) -> tuple[list[list[tuple[int, int, int]]], list[int]]:
-    """Where each tensor's pieces lie in the senders' segments of a bucket: per tensor [(sender, offset, bytes)]
-    in row order, and each sender's segment size. A sender's segment is its pieces in tensor order, each at an
-    8-byte-aligned offset, so every piece is a view of the buffer whatever dtypes came before it."""
+def segments(bucket: Sequence[TensorSpec], senders: int,
+             needs: Sequence[Need] | None = None) -> tuple[list[list[tuple[int, int, int]]], list[int]]:  # fmt: skip
+    """Where each tensor's pieces lie in the senders' segments of a bucket for one engine rank (`needs`: what it
+    reads of each tensor; None: everything): per tensor [(sender, offset, bytes)] in row order, and each sender's
+    segment size. A sender's segment is its pieces in tensor order, each at an 8-byte-aligned offset, so every
+    piece is a view of the buffer whatever dtypes came before it."""
     used = [0] * senders
     places = []
-    for spec in bucket:
+    for i, spec in enumerate(bucket):
         mine = []
-        for sender, nbytes in spec.pieces:
+        for sender, _, _, nbytes in spec.cut(needs[i] if needs is not None else ()):
             mine.append((sender, used[sender], nbytes))
             used[sender] += _aligned(nbytes)
         places.append(mine)
     return places, used
+
+
+def sent_shape(spec: TensorSpec, need: Need) -> tuple[int, ...]:
+    return tuple(b - a for a, b in need) if need else spec.shape
+
+
+def encode_needs(needs: Sequence[Need]) -> bytes:
+    return json.dumps([None if n is None else [list(d) for d in n] for n in needs], separators=(",", ":")).encode()
+
+
+def decode_needs(data: bytes, manifest: Manifest) -> list[list[Need]]:
+    """An engine rank's request, checked against the manifest: per bucket, per tensor, a box inside the tensor,
+    [] for all of it or null for none."""
+    specs = [t for b in manifest.buckets for t in b]
+    try:
+        raw = json.loads(data)
+        if not isinstance(raw, list) or len(raw) != len(specs):
+            raise ValueError(f"{len(raw) if isinstance(raw, list) else 'no'} entries for {len(specs)} tensors")
+        flat: list[Need] = [None if n is None else tuple((int(a), int(b)) for a, b in n) for n in raw]
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"weight sync: an engine's request is malformed: {exc}") from exc
+    for spec, need in zip(specs, flat, strict=True):
+        if need and (len(need) != len(spec.shape)
+                     or any(not 0 <= a <= b <= d for (a, b), d in zip(need, spec.shape, strict=True))):  # fmt: skip
+            raise CheckpointError(f"weight sync: a request for {need[:8]} of {spec.name} {spec.shape}")
+    out, at = [], 0
+    for bucket in manifest.buckets:
+        out.append(flat[at : at + len(bucket)])
+        at += len(bucket)
+    return out
 
 
 def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> tuple[tuple[TensorSpec, ...], ...]:
@@ -317,33 +365,39 @@ def join_group(rendezvous: str, name: str, rank: int, senders: int, size: int, t
     return Group(_group(store, name, rank, size, timeout_s, route_address(host, port)), senders, size)
 
 
-HEADER_TAGS = (0, 1)  # the manifest's length, then its bytes; bucket k travels under tag 2 + k
+HEADER_TAGS = (0, 1)  # sender 0 to each engine rank: the manifest's length, then its bytes
+REQUEST_TAGS = (2, 3)  # each engine rank to each sender: what it reads of each tensor (length, bytes)
+BUCKET_TAG = 4  # bucket k travels under tag BUCKET_TAG + k
 
 
 def send(groups: dict[str, Group], rank: int, manifest: Manifest,
-         buckets: Iterator[Sequence[torch.Tensor]]) -> dict[str, str]:  # fmt: skip
-    """Sender `rank`'s part of a sync: (rank 0: the manifest, then) its segment of every bucket, the tensors it
-    holds of each in manifest order (`buckets` yields them), to every engine rank of every group. A group that
+         buckets: Iterator[Sequence[Any]]) -> dict[str, str]:  # fmt: skip
+    """Sender `rank`'s part of a sync: (rank 0: the manifest, then) every engine rank's request, then for every
+    bucket and engine rank the rows this sender holds of what that rank reads of each tensor (its columns too,
+    where it reads only some), to every engine rank of every group. `buckets` yields this sender's tensors of
+    each bucket in manifest order (tensors of its rows, or loader TensorSources read by index). A group that
     fails is dropped and the rest go on; returns the failed groups' errors. `buckets` is consumed whole even
     when every group failed (it may drive collectives the other senders join).
 
-    Two buffers, reused: bucket k goes out in the background (gloo's own threads) while bucket k+1 is packed,
+    Two buffers, reused: one segment goes out in the background (gloo's own threads) while the next is packed,
     so packing and sending overlap; at most two segments in memory."""
     failed: dict[str, str] = {}
+    dsts = [(key, dst) for key, g in groups.items() for dst in range(g.senders, g.size)]
 
-    def start(tensor: torch.Tensor, tag: int) -> dict[tuple[str, int], Any]:
-        works = {}
-        for key, g in groups.items():
-            for dst in range(g.senders, g.size):
-                if key not in failed:
-                    try:
-                        works[key, dst] = g.pg.send([tensor], dst, tag)
-                    except RuntimeError as exc:
-                        failed[key] = str(exc)
-        return works
+    def start(key: str, dst: int, tensor: torch.Tensor, tag: int, op: str = "send") -> Any:
+        if key in failed:
+            return None
+        try:
+            pg = groups[key].pg
+            return pg.send([tensor], dst, tag) if op == "send" else pg.recv([tensor], dst, tag)
+        except RuntimeError as exc:
+            failed[key] = str(exc)
+            return None
 
     def finish(works: dict[tuple[str, int], Any]) -> None:
         for (key, _), work in works.items():
+            if work is None:
+                continue
             try:
                 work.wait()
             except RuntimeError as exc:
@@ -351,42 +405,86 @@ def send(groups: dict[str, Group], rank: int, manifest: Manifest,
 
     if rank == 0:
         header = manifest.to_bytes()
-        finish(start(torch.tensor([len(header)], dtype=torch.int64), HEADER_TAGS[0]))
-        finish(start(torch.frombuffer(bytearray(header), dtype=torch.uint8), HEADER_TAGS[1]))
-    plans = [segments(b, manifest.senders) for b in manifest.buckets]
-    largest = max((sizes[rank] for _, sizes in plans), default=0)
-    buffers: list[torch.Tensor] = []
+        length = torch.tensor([len(header)], dtype=torch.int64)
+        finish({d: start(*d, length, HEADER_TAGS[0]) for d in dsts})
+        body = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        finish({d: start(*d, body, HEADER_TAGS[1]) for d in dsts})
+    needs = _requests(dsts, manifest, start, finish, failed)
+    buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
     pending: list[dict[tuple[str, int], Any]] = [{}, {}]
-    for k, (specs, tensors, (places, sizes)) in enumerate(zip(manifest.buckets, buckets, plans, strict=True)):
-        mine = [(spec, at, n) for spec, where in zip(specs, places, strict=True) for s, at, n in where if s == rank]
-        if len(tensors) != len(mine):
-            raise ValueError(f"weight sync: sender {rank} has {len(tensors)} tensors for bucket {k}, not {len(mine)}")
-        if not sizes[rank]:
-            continue
-        slot = k % 2
-        finish(pending[slot])  # the buffer's previous segment has left
-        if len(buffers) <= slot:
-            buffers.append(torch.empty(largest, dtype=torch.uint8))
-        flat = buffers[slot][: sizes[rank]]
-        for t, (spec, at, n) in zip(tensors, mine, strict=True):
-            flat[at : at + n] = _bytes_of(t, spec, n)
-        pending[slot] = start(flat, 2 + k)
+    slot = 0
+    for k, (specs, tensors) in enumerate(zip(manifest.buckets, buckets, strict=True)):
+        held = [i for i, spec in enumerate(specs) if any(s == rank for s, _, _ in spec.rows)]
+        if len(tensors) != len(held):
+            raise ValueError(f"weight sync: sender {rank} has {len(tensors)} tensors for bucket {k}, not {len(held)}")
+        source = dict(zip(held, tensors, strict=True))
+        first_row = {i: next(a for s, a, _ in specs[i].rows if s == rank) for i in held}
+        for key, dst in dsts:
+            if key in failed:
+                continue
+            need = needs[key, dst][k]
+            places, sizes = segments(specs, manifest.senders, need)
+            if not sizes[rank]:
+                continue
+            slot ^= 1
+            finish(pending[slot])  # the buffer's previous segment has left
+            if buffers[slot].numel() < sizes[rank]:
+                buffers[slot] = torch.empty(sizes[rank], dtype=torch.uint8)
+            flat = buffers[slot][: sizes[rank]]
+            for i, where in enumerate(places):
+                cut = [c for c in specs[i].cut(need[i]) if c[0] == rank]
+                for (_, at, n), (_, lo, hi, _) in zip([w for w in where if w[0] == rank], cut, strict=True):
+                    columns = (slice(a, b) for a, b in (need[i] or ())[1:])
+                    index = (slice(lo - first_row[i], hi - first_row[i]), *columns) if specs[i].shape else ()
+                    flat[at : at + n] = _bytes_of(_read(source[i], index), specs[i], n)
+            pending[slot] = {(key, dst): start(key, dst, flat, BUCKET_TAG + k)}
     for works in pending:
         finish(works)
     return failed
 
 
+def _requests(dsts: list[tuple[str, int]], manifest: Manifest, start: Callable[..., Any],
+              finish: Callable[[dict[tuple[str, int], Any]], None], failed: dict[str, str]
+              ) -> dict[tuple[str, int], list[list[Need]]]:  # fmt: skip
+    """Every engine rank's request (what it reads of each tensor), checked; a group with a bad one fails."""
+    lengths = {d: torch.zeros(1, dtype=torch.int64) for d in dsts}
+    finish({d: start(*d, lengths[d], REQUEST_TAGS[0], "recv") for d in dsts})
+    bodies: dict[tuple[str, int], torch.Tensor] = {}
+    for d in dsts:
+        n = int(lengths[d])
+        if d[0] not in failed and not 0 < n <= MAX_MANIFEST_BYTES:
+            failed[d[0]] = f"an engine rank's request of {n} bytes"
+        bodies[d] = torch.empty(max(n, 0) if d[0] not in failed else 0, dtype=torch.uint8)
+    finish({d: start(*d, bodies[d], REQUEST_TAGS[1], "recv") for d in dsts})
+    out: dict[tuple[str, int], list[list[Need]]] = {}
+    for d in dsts:
+        if d[0] in failed:
+            continue
+        try:
+            out[d] = decode_needs(bodies[d].numpy().tobytes(), manifest)
+        except CheckpointError as exc:
+            failed[d[0]] = str(exc)
+    return out
+
+
+def _read(source: Any, index: tuple[slice, ...]) -> torch.Tensor:
+    if isinstance(source, torch.Tensor):
+        return source[index]
+    part: torch.Tensor = source.read(index)  # a checkpoint file's tensor (loader.TensorSource)
+    return part
+
+
 def _bytes_of(tensor: torch.Tensor, spec: TensorSpec, nbytes: int) -> torch.Tensor:
     t = tensor.detach().to("cpu", DTYPES[spec.dtype]).contiguous()
-    if tuple(t.shape[1:]) != spec.sent_shape[1:] or t.numel() * t.element_size() != nbytes:
-        raise ValueError(f"{spec.name}: a piece of shape {tuple(t.shape)} where the manifest has {nbytes} bytes of "
-                         f"{spec.sent_shape}")  # fmt: skip
+    if t.numel() * t.element_size() != nbytes:
+        raise ValueError(f"{spec.name}: a piece of shape {tuple(t.shape)} where the manifest has {nbytes} bytes")
     return t.reshape(-1).view(torch.uint8)
 
 
 class Receiver:
-    """An engine rank's side: joins the group as `rank` (after the senders), reads the manifest from sender 0;
-    `tensors()` then yields each tensor as its bucket arrives (two buckets in memory at a time)."""
+    """An engine rank's side: joins the group as `rank` (after the senders) and reads the manifest from sender 0;
+    `request(needs)` tells every sender what it reads of each tensor; `tensors()` then yields those parts as
+    their buckets arrive (two buckets in memory at a time)."""
 
     def __init__(self, rendezvous: str, group: str, rank: int, size: int, timeout_s: float,
                  max_bytes: int, max_bucket_bytes: int = MAX_BUCKET_BYTES, senders: int = 1) -> None:  # fmt: skip
@@ -394,6 +492,7 @@ class Receiver:
         if not GROUP_NAME.match(group) or not 0 < senders <= rank < size:
             raise ValueError(f"bad weight-sync group {group[:40]!r} or rank {rank} of {size} after {senders} senders")
         self.senders = senders
+        self._needs: list[list[Need]] | None = None
         try:
             store = TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
             store.set(f"{group}/ready/{rank}", "1")
@@ -412,11 +511,32 @@ class Receiver:
         if self.manifest.nbytes > max_bytes:
             raise CheckpointError(f"weight sync: {self.manifest.nbytes} bytes is over this worker's {max_bytes}")
 
+    def request(self, needs: Sequence[Need]) -> int:
+        """Sends every sender what this rank reads of each tensor (in manifest order: a box, () for all of it,
+        None for none); returns the bytes that will come."""
+        body = encode_needs(needs)
+        self._needs = decode_needs(body, self.manifest)
+        data = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        try:
+            for tensor, tag in (
+                (torch.tensor([len(body)], dtype=torch.int64), REQUEST_TAGS[0]),
+                (data, REQUEST_TAGS[1]),
+            ):
+                for work in [self._pg.send([tensor], s, tag) for s in range(self.senders)]:
+                    work.wait()
+        except RuntimeError as exc:
+            raise CheckpointError(f"weight sync: a sender stopped before the request: {exc}") from exc
+        return sum(
+            sum(segments(b, self.senders, n)[1]) for b, n in zip(self.manifest.buckets, self._needs, strict=True)
+        )
+
     def tensors(self) -> Iterator[tuple[str, Received]]:
-        """Each tensor as a view of its bucket's buffers (the rows of a tensor split over senders joined). The
-        next bucket's receives are posted before this one's tensors are handed out, so the network and the
-        loader's copies overlap; a buffer is never reused, since the loader may keep views of it until a layer
-        is whole."""
+        """The part of each requested tensor, as a view of its bucket's buffers (the rows a tensor's senders hold
+        joined). The next bucket's receives are posted before this one's tensors are handed out, so the network
+        and the loader's copies overlap; a buffer is never reused, since the loader may keep views of it until a
+        layer is whole."""
+        if self._needs is None:
+            raise RuntimeError("request() first: the senders wait for it")
         buckets = self.manifest.buckets
         posted = self._post(0) if buckets else None
         for k, bucket in enumerate(buckets):
@@ -428,16 +548,20 @@ class Receiver:
             except RuntimeError as exc:
                 raise CheckpointError(f"weight sync: a sender stopped mid-way: {exc}") from exc
             posted = self._post(k + 1) if k + 1 < len(buckets) else None
-            for spec, where in zip(bucket, segments(bucket, self.senders)[0], strict=True):
+            needs = self._needs[k]
+            for spec, need, where in zip(bucket, needs, segments(bucket, self.senders, needs)[0], strict=True):
+                if need is None:
+                    continue
                 views = [flats[s][at : at + n].view(DTYPES[spec.dtype]) for s, at, n in where]
                 whole = views[0] if len(views) == 1 else torch.cat(views)
-                yield spec.name, Received(whole.reshape(spec.sent_shape), spec.shape, spec.box)
+                yield spec.name, Received(whole.reshape(sent_shape(spec, need)), spec.shape, need)
 
     def _post(self, k: int) -> tuple[list[torch.Tensor], list[Any]]:
-        sizes = segments(self.manifest.buckets[k], self.senders)[1]
+        assert self._needs is not None
+        sizes = segments(self.manifest.buckets[k], self.senders, self._needs[k])[1]
         flats = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         try:
-            return flats, [self._pg.recv([flat], s, 2 + k) for s, flat in enumerate(flats) if flat.numel()]
+            return flats, [self._pg.recv([flat], s, BUCKET_TAG + k) for s, flat in enumerate(flats) if flat.numel()]
         except RuntimeError as exc:
             raise CheckpointError(f"weight sync: a sender stopped mid-way: {exc}") from exc
 

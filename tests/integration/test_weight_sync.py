@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,7 +141,13 @@ def test_collective_sync_into_tensor_parallel_and_two_host_replicas(tiny_model: 
                 assert ids == synced[e][0]
                 assert _close(logps, synced[e][1])
             assert node1.poll() is None  # the second host took its ranks' part without a file or a server
-            assert "weights v2 swapped in" in (tmp_path / "node1.log").read_text()
+            host1 = (tmp_path / "node1.log").read_text()
+            assert "weights v2 swapped in" in host1
+            # each engine rank received only what its shard reads: about half of each split tensor, the
+            # replicated ones whole (norms, router, indexer: much of this tiny model), from the trainer (twice:
+            # the dead sync and v1) and from host 0 (v2)
+            received = [int(a) / int(b) for a, b in re.findall(r"receives (\d+) of the version's (\d+) bytes", host1)]
+            assert len(received) == 3 and all(0.4 < r < 0.7 for r in received), received
             assert not list((roots / ".pushed").iterdir())  # the staged copy is gone
         finally:
             assert stop(node0) == 0

@@ -220,7 +220,9 @@ def build_model(
                 skipped_mtp += 1
                 continue
             if name.endswith(".weight_shape"):
-                logical_shapes[name.removesuffix(".weight_shape")] = tuple(int(v) for v in lazy.read().tolist())
+                value = lazy.read()
+                if value.device.type != "meta":  # a dry run (shard_reads) has no values to check
+                    logical_shapes[name.removesuffix(".weight_shape")] = tuple(int(v) for v in value.tolist())
                 continue
             expert = _EXPERT.match(name)
             if expert:
@@ -273,10 +275,7 @@ def build_model(
 
 
 class _Recorder:
-    """A checkpoint tensor in a dry run of build_model: records the part a rank reads, reads nothing (but the
-    few elements of a compressed-tensors weight_shape, whose values the loader checks)."""
-
-    SMALL = 64
+    """A checkpoint tensor in a dry run of build_model: records the part a rank reads, reads nothing."""
 
     def __init__(self, lazy: TensorSource) -> None:
         self.lazy = lazy
@@ -296,8 +295,6 @@ class _Recorder:
 
     def read(self, index: tuple[slice, ...] = ()) -> torch.Tensor:
         self.index = index
-        if math.prod(self.shape) <= self.SMALL:
-            return self.lazy.read(index)
         part = torch.empty(self.shape, dtype=parse_stored(self.dtype), device="meta")
         return part[index] if index else part
 
@@ -313,7 +310,8 @@ def shard_reads(
 ) -> dict[str, tuple[slice, ...]]:
     """What build_model reads of each tensor for rank `tp.rank` (its index; () is the whole tensor; a tensor it
     does not read is absent), found by running it on the meta device: the very rules that load a shard, so a
-    sender can send a rank exactly its part. No tensor's bytes are read."""
+    rank can ask a sender for exactly its part. No tensor's bytes are read (the sources may have none: a weight
+    sync's manifest), so the checks of stored values wait for the real load."""
     recorders: list[tuple[str, _Recorder]] = []
 
     def recording() -> Iterator[tuple[str, _Recorder]]:  # lazily: a file's tensors are readable while it is open

@@ -11,10 +11,10 @@ import pytest
 import torch
 from glm5.errors import CheckpointError
 from glm5.model.config import ModelConfig
-from glm5.model.loader import build_model, checkpoint_files, load_model
+from glm5.model.loader import build_model, checkpoint_files, load_model, shard_reads
 from glm5.model.quant import QuantConfig
 from glm5.parallel import TensorParallel
-from glm5.weight_sync import Manifest, Received, TensorSpec, box_of
+from glm5.weight_sync import Manifest, Received, box_of, decode_needs, encode_needs, segments, sent_shape
 from glm5_worker.engine.weights import forward_plan
 
 from tests.unit.model.test_quantized_parity import Checkpoints
@@ -27,22 +27,31 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("forward"))
 
 
-def _forwarded(path: Path, tp: TensorParallel, bucket_bytes: int) -> tuple[Manifest, torch.nn.Module]:
-    """The shard rank `tp.rank` builds from what forward_plan sends it (through the manifest's wire format)."""
+def _forwarded(path: Path, tp: TensorParallel, bucket_bytes: int) -> tuple[int, torch.nn.Module]:
+    """The shard rank `tp.rank` builds from what it asks rank 0 for (as glm5_worker.engine.weights.
+    receive_checkpoint asks; the bytes cut as glm5.weight_sync.send cuts them, without the network); also the
+    bytes it asked for."""
     config = ModelConfig.from_file(path)
-    plan, buckets = forward_plan(path, 7, config, torch.float32, tp, bucket_bytes)
+    plan, buckets = forward_plan(path, 7, bucket_bytes)
     manifest = Manifest.from_bytes(plan.to_bytes())
-    assert manifest == plan
+    assert manifest == plan and len(manifest.buckets) > 1
+    specs = [t for b in manifest.buckets for t in b]
+    quant = QuantConfig.from_config(manifest.quant)
+    reads = shard_reads(config, ((t.name, t) for t in specs), manifest.dtypes(), torch.float32, quant=quant, tp=tp)
+    needs = decode_needs(encode_needs([box_of(reads[t.name], t.shape) if t.name in reads else None for t in specs]),
+                         manifest)  # fmt: skip
+    asked = sum(sum(segments(b, 1, n)[1]) for b, n in zip(manifest.buckets, needs, strict=True))
 
     def received() -> object:
-        for specs, tensors in zip(manifest.buckets, buckets, strict=True):
-            for spec, t in zip(specs, tensors, strict=True):
-                assert tuple(t.shape) == spec.sent_shape
-                yield spec.name, Received(t, spec.shape, spec.box)
+        for bucket, k_needs, sources in zip(manifest.buckets, needs, buckets, strict=True):
+            for spec, need, source in zip(bucket, k_needs, sources, strict=True):
+                if need is not None:
+                    part = source.read(tuple(slice(a, b) for a, b in need))
+                    assert tuple(part.shape) == sent_shape(spec, need)
+                    yield spec.name, Received(part, spec.shape, need)
 
-    model = build_model(config, received(), manifest.dtypes(), torch.float32, tp=tp,  # type: ignore[arg-type]
-                        quant=QuantConfig.from_config(manifest.quant))  # fmt: skip
-    return manifest, model
+    model = build_model(config, received(), manifest.dtypes(), torch.float32, tp=tp, quant=quant)  # type: ignore[arg-type]
+    return asked, model
 
 
 def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -62,10 +71,9 @@ def test_each_rank_gets_only_its_parts_of_a_float_checkpoint(tiny_model: Path, w
     sent = []
     for rank in range(world):
         tp = TensorParallel(rank, world)
-        manifest, model = _forwarded(tiny_model, tp, bucket_bytes=256 << 10)
-        assert len(manifest.buckets) > 1  # bucketed
+        asked, model = _forwarded(tiny_model, tp, bucket_bytes=256 << 10)
         _same(model, load_model(tiny_model, tp=tp))
-        sent.append(manifest.nbytes)
+        sent.append(asked)
     # what is split (embeddings, lm_head, experts, attention projections) goes 1/world to each rank; norms, the
     # router and the indexer go whole to every rank
     assert max(sent) < 0.75 * _file_bytes(tiny_model) / world * 2 and sum(sent) < 1.6 * _file_bytes(tiny_model)
@@ -78,21 +86,18 @@ def test_quantized_shards_built_from_the_forwarded_parts_equal_loading_them(
     path = checkpoints(name)[0]
     for rank in range(2):
         tp = TensorParallel(rank, 2, expert_parallel)
-        manifest, model = _forwarded(path, tp, bucket_bytes=64 << 10)
-        assert any(t.dtype in ("F8_E4M3", "I32") for b in manifest.buckets for t in b)  # sent as stored
-        assert any(t.box for b in manifest.buckets for t in b)
+        asked, model = _forwarded(path, tp, bucket_bytes=64 << 10)
+        assert any(p.dtype in (torch.float8_e4m3fn, torch.int32) for p in model.parameters())  # sent as stored
         _same(model, load_model(path, tp=tp))
-        assert manifest.nbytes < 0.8 * _file_bytes(path)
+        assert asked < 0.8 * _file_bytes(path)
 
 
 def test_a_read_outside_what_was_sent_fails() -> None:
     full = torch.arange(24.0).view(4, 6)
     box = box_of((slice(2, 4),), (4, 6))
-    assert box == ((2, 4), (0, 6))
+    assert box == ((2, 4), (0, 6)) and box_of((), (4, 6)) == ()
     got = Received(full[2:4], (4, 6), box)
     assert got.shape == (4, 6) and torch.equal(got.read((slice(2, 4),)), full[2:4])
     assert torch.equal(got.read((slice(3, 4), slice(1, 3))), full[3:4, 1:3])
     with pytest.raises(CheckpointError, match="only"):
         got.read((slice(1, 3),))
-    with pytest.raises(CheckpointError, match="box"):  # a peer's box beyond the tensor
-        Manifest.from_bytes(Manifest(1, ((TensorSpec("w", (4, 6), "F32", box=((2, 5), (0, 6))),),)).to_bytes())

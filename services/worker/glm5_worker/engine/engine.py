@@ -288,9 +288,8 @@ class Engine:
             return
         c = self.config
         if on_this_host and isinstance(source, str) and c.nnodes > 1:
-            self._forwarder = Forwarder(source, version, self.model_config, self.dtype, self.tp,
-                                        c.ranks_per_node, c.master_addr, c.collective_timeout_s,
-                                        self.max_update_bytes)  # fmt: skip
+            self._forwarder = Forwarder(source, version, self.tp, c.ranks_per_node, c.master_addr,
+                                        c.collective_timeout_s, self.max_update_bytes)  # fmt: skip
             source = self._forwarder.source
         self.replica.load_weights(source, self.tokenizer.fingerprint)
 

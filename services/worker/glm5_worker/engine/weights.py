@@ -3,7 +3,6 @@ tensors a trainer broadcasts over a sync group), then copy them into the live mo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import secrets
@@ -15,7 +14,15 @@ from pathlib import Path
 import torch
 from glm5.errors import CheckpointError, InvalidRequestError
 from glm5.model.config import ModelConfig
-from glm5.model.loader import build_model, checkpoint_files, iter_tensors, load_model, shard_reads, stored_dtypes
+from glm5.model.loader import (
+    Lazy,
+    build_model,
+    checkpoint_files,
+    iter_tensors,
+    load_model,
+    shard_reads,
+    stored_dtypes,
+)
 from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.model.quant import QuantConfig
 from glm5.parallel import SINGLE, TensorParallel
@@ -95,68 +102,66 @@ def receive_checkpoint(spec: SyncSpec, current: ModelConfig, dtype: torch.dtype,
         manifest = receiver.manifest
         if manifest.version != spec.version:
             raise CheckpointError(f"the sender sends version {manifest.version}, not {spec.version}")
-        return build_model(current, receiver.tensors(), manifest.dtypes(), dtype, device, tp=tp,
-                           quant=QuantConfig.from_config(manifest.quant), total_bytes=manifest.nbytes,
-                           source=f"weight sync {spec.group}")  # fmt: skip
+        quant = QuantConfig.from_config(manifest.quant)
+        specs = [t for bucket in manifest.buckets for t in bucket]
+        # what this rank's shard reads of each tensor (the loader's own rules on the meta device): only that comes
+        reads = shard_reads(current, ((t.name, t) for t in specs), manifest.dtypes(), dtype, quant=quant, tp=tp)
+        coming = receiver.request([box_of(reads[t.name], t.shape) if t.name in reads else None for t in specs])
+        log.info("weight sync %s: rank %d receives %d of the version's %d bytes", spec.group, tp.rank, coming,
+                 manifest.nbytes)  # fmt: skip
+        return build_model(current, receiver.tensors(), manifest.dtypes(), dtype, device, tp=tp, quant=quant,
+                           total_bytes=coming, source=f"weight sync {spec.group}")  # fmt: skip
     except BaseException:
         receiver.close()  # the trainer's broadcast to this group fails now rather than at its timeout
         raise
 
 
-Buckets = Iterator[list[torch.Tensor]]
+Buckets = Iterator[list[Lazy]]
 
 
-def forward_plan(path: Path, version: int, current: ModelConfig, dtype: torch.dtype, tp: TensorParallel,
-                 bucket_bytes: int = FORWARD_BUCKET_BYTES) -> tuple[Manifest, Buckets]:  # fmt: skip
-    """What rank `tp.rank` of the replica needs of the checkpoint at `path`: a manifest of the part of each
-    tensor its shard reads (the loader's own rules, run on the meta device) and the buckets' tensors, read from
-    the files as they are consumed (one bucket in memory at a time)."""
+def forward_plan(path: Path, version: int, bucket_bytes: int = FORWARD_BUCKET_BYTES) -> tuple[Manifest, Buckets]:
+    """The checkpoint at `path` as a sync from one sender: a manifest of its tensors as stored (with every stored
+    dtype and its quantization_config, which decide the layers' formats), and each bucket's tensors as file
+    sources the sender reads only the requested parts of."""
     files = checkpoint_files(path)
     stored = stored_dtypes(files)
     raw = json.loads((path / "config.json").read_text()).get("quantization_config")
-    reads = shard_reads(current, iter_tensors(files), stored, dtype, quant=QuantConfig.from_config(raw), tp=tp)
-    specs = []
-    for name, lazy in iter_tensors(files):
-        if name in reads:
-            specs.append(TensorSpec(name, lazy.shape, lazy.dtype, box=box_of(reads[name], lazy.shape)))
+    specs = [TensorSpec(name, lazy.shape, lazy.dtype) for name, lazy in iter_tensors(files)]
     manifest = Manifest(version, plan_buckets(specs, bucket_bytes), stored=stored, quant=raw)
 
     def buckets() -> Buckets:
         sizes = iter([len(b) for b in manifest.buckets])
         want, bucket = next(sizes, 0), []
-        for name, lazy in iter_tensors(files):
-            if name in reads:
-                bucket.append(lazy.read(reads[name]).contiguous())
-                if len(bucket) == want:
-                    yield bucket
-                    want, bucket = next(sizes, 0), []
+        for _, lazy in iter_tensors(files):  # the file stays open while its tensors' parts are read
+            bucket.append(lazy)
+            if len(bucket) == want:
+                yield bucket
+                want, bucket = next(sizes, 0), []
 
     return manifest, buckets()
 
 
 class Forwarder:
-    """Rank 0's side of a Forwarded update: hosts the store on `address` and sends each other host's rank its
-    parts, one thread per rank; `close()` ends what is still waiting (an update that failed elsewhere)."""
+    """Rank 0's side of a Forwarded update: hosts the store on `address` and sends each other host's rank the
+    parts it asks for (the manifest is the whole checkpoint; each rank requests what its shard reads), one thread
+    per rank; `close()` ends what is still waiting (an update that failed elsewhere)."""
 
-    def __init__(self, path: str, version: int, current: ModelConfig, dtype: torch.dtype, tp: TensorParallel,
-                 ranks_per_node: int, address: str, timeout_s: float, max_bytes: int) -> None:  # fmt: skip
+    def __init__(self, path: str, version: int, tp: TensorParallel, ranks_per_node: int, address: str,
+                 timeout_s: float, max_bytes: int) -> None:  # fmt: skip
         self._sender = Sender(address, 0, timeout_s)
         group = f"glm5-forward-{secrets.token_hex(16)}"
         self.source = Forwarded(path, version, self._sender.rendezvous, group, ranks_per_node, timeout_s, max_bytes)
         self._stop = threading.Event()
         self.errors: dict[int, str] = {}
-        args = (Path(path), version, current, dtype, tp)
-        self._threads = [threading.Thread(target=self._send, args=(r, *args), name=f"glm5-forward-{r}", daemon=True)
-                         for r in range(ranks_per_node, tp.size)]  # fmt: skip
+        self._threads = [threading.Thread(target=self._send, args=(r, Path(path), version), name=f"glm5-forward-{r}",
+                                          daemon=True) for r in range(ranks_per_node, tp.size)]  # fmt: skip
         for t in self._threads:
             t.start()
 
-    def _send(self, rank: int, path: Path, version: int, current: ModelConfig, dtype: torch.dtype,
-              tp: TensorParallel) -> None:  # fmt: skip
+    def _send(self, rank: int, path: Path, version: int) -> None:
         name = f"{self.source.group}/{rank}"
         try:
-            manifest, buckets = forward_plan(path, version, current, dtype,
-                                             dataclasses.replace(tp, rank=rank, group=None))  # fmt: skip
+            manifest, buckets = forward_plan(path, version)
             self._sender.wait_engines(name, 1, 2, abandoned=self._stop.is_set)
             group = self._sender.group(name, 1, 2)
             try:
