@@ -259,16 +259,19 @@ def train_plan(c: dict[str, Any], devices: list[str], counts: list[int], tokens:
             print(f"- {DEVICES[key].name}, {name}: smallest that fits "
                   f"{f'{min(fit)} devices' if fit else f'none up to {max(counts)}'}")  # fmt: skip
     version = p.total * 2  # what a version weighs in bf16
+    # each engine rank asks only for what its shard reads: its 1/N of the split parts, the replicated ones whole
+    per_rank = per_rank_weights(p, formats("bfloat16")["bfloat16"], engine_ranks)
     print(f"\nweight sync of one version ({version / 1e12:.2f} TB in bf16) into a replica of {engine_ranks} engine "
-          "ranks; every engine rank receives every bucket and keeps its slices, so its network port bounds the "
-          "collective; the stream transport at its measured rate:")  # fmt: skip
+          f"ranks; each engine rank receives only what its shard reads ({per_rank / 1e9:.0f} GB, "
+          f"{per_rank / version:.3f} of the version), the ranks in parallel, so a rank's network port bounds the "
+          "collective; the stream transport at its measured rate sends the whole version:")  # fmt: skip
     print("\n| device | collective: GB/s per engine rank | collective | stream at "
           f"{stream_gbps:.2f} GB/s | stream / collective |\n|---|---:|---:|---:|---:|")  # fmt: skip
     for key in devices:
         gbps = SYNC_GBPS[key]
-        coll = version / (gbps * 1e9)
+        coll = per_rank / (gbps * 1e9)
         stream = version / (stream_gbps * 1e9)
-        print(f"| {DEVICES[key].name} | {gbps:.0f} | {coll:,.0f} s | {stream / 3600:,.1f} h | {stream / coll:,.0f}x |")
+        print(f"| {DEVICES[key].name} | {gbps:.0f} | {coll:,.1f} s | {stream / 3600:,.1f} h | {stream / coll:,.0f}x |")
     return rows
 
 

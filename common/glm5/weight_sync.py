@@ -4,12 +4,14 @@ an engine replica, without a file and without a whole copy anywhere.
 One group per replica and sync, rendezvoused through a TCP store the trainer's rank 0 hosts: the trainer's S
 ranks are ranks 0..S-1 (the senders), the replica's N ranks S..S+N-1. Sender 0 first sends each engine rank the
 manifest (JSON: the tensors' on-disk names, shapes and dtypes, bucket by bucket, and which sender holds which
-rows of each; never pickle, which would run a peer's code); then every sender sends each engine rank its
-segment of every bucket (the rows it holds of the bucket's tensors, as one flat byte buffer), point to point,
-so the bytes go from the shard that holds them straight to the engine: nothing is gathered on the trainer. Each
-engine rank views its segments as tensors (the rows of a tensor split over senders joined) and hands them to
-the loader, which copies the slices this rank's tensor/expert-parallel layout holds, so a rank holds its shard
-plus two buckets (one arriving, one being read).
+rows of each; never pickle, which would run a peer's code). Each engine rank answers every sender with its
+request: what its shard reads of each tensor (a box of [start, stop) per dimension, all of it, or nothing),
+which it finds by running the loader on the manifest's tensors without data. Then every sender sends each
+engine rank its segment of every bucket (the rows it holds of what that rank asked for, as one flat byte
+buffer), point to point, so the bytes go from the shard that holds them straight to the engine rank that
+needs them: nothing is gathered on the trainer and no rank receives another's part. Each engine rank views its
+segments as tensors (the rows of a tensor split over senders joined) and hands them to the loader, so a rank
+holds its shard plus two buckets' parts (one arriving, one being read).
 
 gloo carries the bytes (host tensors, over TCP). A sender that dies closes its sockets and every receiver's
 wait fails at once; a silent one is bounded by the group's timeout.

@@ -1,9 +1,10 @@
 """The collective weight-sync transport, the trainer's side (glm5.weight_sync has the wire format).
 
 Rank 0 hosts the rendezvous store and waits for each engine replica's ranks to arrive; then every trainer rank
-joins one group per replica and sends each engine rank, point to point, the rows of each tensor that its own
-FSDP2 shard holds (Shard(0): torch.chunk's rows of dim 0, so a stacked-experts entry gives each rank whole
-experts), bucket by bucket, under the tensors' on-disk names (experts split per expert, as published). Nothing
+joins one group per replica and sends each engine rank, point to point, the rows its own FSDP2 shard holds
+(Shard(0): torch.chunk's rows of dim 0, so a stacked-experts entry gives each rank whole experts) of what that
+engine rank asked for of each tensor (glm5.weight_sync: the part its shard reads), bucket by bucket, under the
+tensors' on-disk names (experts split per expert, as published). Nothing
 is gathered: each rank holds two segments of a bucket beside its shard, the bytes leave every rank in parallel,
 and no file is written or read.
 """
