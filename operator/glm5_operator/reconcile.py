@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from glm5_operator.api import API_VERSION, GLM5DeploymentSpec, InvalidSpec, RLJobSpec, parse_deployment, parse_rljob
+from glm5_operator.api.rljob import TRAINER_STATUS_PORT
 from glm5_operator.config import OperatorConfig
 from glm5_operator.kube import Kube, Outcome, Ref
 from glm5_operator.ranktable import ANNOTATION, PodDevices, RankTableError, build_rank_table, parse_annotation
@@ -299,7 +300,7 @@ class Reconciler:
         if not ip or (pod.get("status") or {}).get("phase") != "Running":
             return None
         try:
-            with urllib.request.urlopen(f"http://{ip}:{rl.TRAINER_STATUS_PORT}/status", timeout=2) as reply:
+            with urllib.request.urlopen(f"http://{ip}:{TRAINER_STATUS_PORT}/status", timeout=2) as reply:
                 got = json.loads(reply.read(64 << 10))
         except (OSError, ValueError) as exc:
             log.debug("RLJob %s/%s: no progress from the trainer at %s: %s", ns, name, ip, exc)

@@ -14,10 +14,10 @@ import kubernetes_validate
 import pytest
 import yaml
 from glm5_operator.api import parse_deployment, parse_rljob
+from glm5_operator.api.rljob import TRAINER_STATUS_PORT
 from glm5_operator.config import OperatorConfig
 from glm5_operator.kube import PLURALS
 from glm5_operator.render import deployment_children, rljob_children
-from glm5_operator.render.rljob import TRAINER_STATUS_PORT
 
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "glm5"
