@@ -27,7 +27,7 @@ from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.model.quant import QuantConfig
 from glm5.parallel import SINGLE, TensorParallel
 from glm5.tokenizer.tokenizer import Tokenizer
-from glm5.weight_sync import Manifest, Receiver, Sender, TensorSpec, box_of, plan_buckets, send
+from glm5.weight_sync import DTYPES, Manifest, Receiver, Sender, TensorSpec, box_of, plan_buckets, send
 
 log = logging.getLogger(__name__)
 # Geometry that must match for an in-place swap (everything that shapes a tensor or the KV layout).
@@ -126,13 +126,16 @@ def forward_plan(path: Path, version: int, bucket_bytes: int = FORWARD_BUCKET_BY
     files = checkpoint_files(path)
     stored = stored_dtypes(files)
     raw = json.loads((path / "config.json").read_text()).get("quantization_config")
-    specs = [TensorSpec(name, lazy.shape, lazy.dtype) for name, lazy in iter_tensors(files)]
+    # a format no loader path reads (F64, BOOL) cannot travel; a rank that needed one would report it missing
+    specs = [TensorSpec(name, lazy.shape, lazy.dtype) for name, lazy in iter_tensors(files) if lazy.dtype in DTYPES]
     manifest = Manifest(version, plan_buckets(specs, bucket_bytes), stored=stored, quant=raw)
 
     def buckets() -> Buckets:
         sizes = iter([len(b) for b in manifest.buckets])
         want, bucket = next(sizes, 0), []
         for _, lazy in iter_tensors(files):  # the file stays open while its tensors' parts are read
+            if lazy.dtype not in DTYPES:
+                continue
             bucket.append(lazy)
             if len(bucket) == want:
                 yield bucket
