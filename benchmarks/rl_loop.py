@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 from glm5.model.presets import default_model_path
-from glm5_trainer.loop import RLConfig, RLRun
+from glm5_trainer.config import RLConfig
+from glm5_trainer.loop import RLRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._launch import Started, Tokens, start, wait_compiled

@@ -11,7 +11,7 @@ import pickle
 from pathlib import Path
 
 from glm5.security import Secret, public_view
-from glm5_trainer.loop import RLConfig
+from glm5_trainer.config import RLConfig
 
 VALUE = "s3cr3t-value-that-must-not-show"
 

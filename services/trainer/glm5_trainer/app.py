@@ -20,8 +20,9 @@ from glm5.security import (
     tls_from_args,
 )
 
+from glm5_trainer.config import MODES, Result, RLConfig
 from glm5_trainer.distributed import World
-from glm5_trainer.loop import MODES, Result, RLConfig, RLRun, open_trainer
+from glm5_trainer.loop import RLRun, finished, open_trainer, report_finished
 from glm5_trainer.loss import PRESETS, TrustRegion
 from glm5_trainer.status import serve_health, serve_status
 from glm5_trainer.versions import TRANSPORTS
@@ -194,6 +195,13 @@ def run(a: argparse.Namespace) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     config = config_from_args(a)
     world = world_from_args(a)
+    done = finished(config) if world is None or world.size == 1 else None
+    if done is not None:
+        # restarted after the job finished: every host exits at once, no rank started, no rendezvous to meet
+        logging.getLogger(__name__).info("the job already took its %d steps (version %d): nothing to train",
+                                         done[1], done[0])  # fmt: skip
+        report_finished(config, *done)
+        return
     if world is None:
         sys.exit(launch(a))
     if not world.leader:

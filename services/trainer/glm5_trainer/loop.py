@@ -16,132 +16,33 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import datetime
-import functools
 import itertools
 import json
 import logging
 import random
 import time
 from collections.abc import Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 from glm5.client import WorkerClient, sampling
 from glm5.rl.buffer import RedisBuffer
 from glm5.rl.samples import oldest_version, select
-from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
-from glm5.serving import resolve_service
-from glm5.tokenizer import Tokenizer
 from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2
 
+from glm5_trainer.config import Result, RLConfig
 from glm5_trainer.distributed import World
 from glm5_trainer.environment import Outcome, Problem, evaluation_summary, read_turn
-from glm5_trainer.loss import TrustRegion
+from glm5_trainer.fleet import EngineFleet
 from glm5_trainer.outputs import write_outputs
 from glm5_trainer.policy import Policy, StepStats
 from glm5_trainer.ranks import Ranks
 from glm5_trainer.rollouts import ProducerProcess, RolloutDriver
-from glm5_trainer.sync import DEFAULT_BUCKET_BYTES, CollectiveSync, sync_engines
-from glm5_trainer.versions import TRANSPORTS, WeightVersions, steps_recorded, sync_workers
+from glm5_trainer.versions import WeightVersions, steps_recorded
 
 log = logging.getLogger(__name__)
-MODES = ("async", "sync")
-
-
-@dataclass(frozen=True, slots=True)
-class RLConfig:
-    policy: Path  # the starting checkpoint (its tokenizer is the job's)
-    gateway: str  # host:port of the TITO gateway
-    out: Path  # versioned checkpoints, history, plot
-    engines: tuple[str, ...] = ()  # rollout engines to sync and evaluate on (host:port)
-    engine_dns: str | None = None  # or a headless Service (host:port): every A record is an engine
-    environment: str = "addition"
-    dataset: str = "builtin"
-    mode: str = "async"
-    steps: int = 40
-    group_size: int = 8
-    groups_per_step: int = 8
-    max_inflight_groups: int = 16
-    producer_cpus: tuple[int, ...] = ()  # async: pin the rollout producer process to these CPUs
-    max_new_tokens: int = 40
-    temperature: float = 1.0
-    learning_rate: float = 1e-4
-    lr_schedule: str = "constant"  # or "cosine": decays to 0 over `steps` (a run of known length)
-    region: TrustRegion = field(default_factory=lambda: TrustRegion.preset("math"))
-    staleness_limit: int = 4
-    balance_weight: float = 0.02  # MoE expert-balance loss
-    entropy_weight: float = 0.005  # router-entropy regulariser
-    sync_every_steps: int = 1
-    sync_interval_s: float = 600.0
-    ema_decay: float = 0.999
-    eval_every: int = 0  # steps between evaluations (0: before and after only)
-    eval_size: int = 200
-    seed: int = 0  # problem order and rollout sampling
-    split_seed: int = 0  # the built-in dataset's train/held-out split: the supervised stage's seed, so the
-    # held-out problems stay unseen by both stages
-    redis_url: str | None = None  # read the buffer's Redis stream directly (default: through the gateway)
-    job: str = "rl"
-    progress: bool = True
-    completion_file: Path | None = None  # written when the job has taken its `steps`
-    tls: TlsConfig = NO_TLS  # to the gateway and the engines (mutual TLS when it has a CA)
-    admin_token: Secret | None = None  # sent with UpdateWeights (the engines' --admin-token-*)
-    internal_token: Secret | None = None  # sent with every call to the engines (their --internal-token-*)
-    weights_transport: str = "path"  # versions.TRANSPORTS: the engines read out/ (shared), get it streamed, or
-    # receive it over a collective group from the trainer's memory
-    sync_address: str = "127.0.0.1"  # collective: where the engines reach rank 0's rendezvous (its pod IP)
-    sync_port: int = 0  # 0: any free port
-    sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    sync_timeout_s: float = 120.0  # a group's join and each bucket's broadcast
-    activation_checkpointing: bool = False  # recompute each layer's activations in the backward pass
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.lr_schedule not in ("constant", "cosine"):
-            problems.append("lr_schedule must be constant or cosine")
-        if self.mode not in MODES:
-            problems.append(f"mode must be one of {MODES}")
-        if self.weights_transport not in TRANSPORTS:
-            problems.append(f"weights_transport must be one of {TRANSPORTS}")
-        if self.sync_bucket_bytes < 1 << 20 or self.sync_timeout_s <= 0 or not 0 <= self.sync_port < 65536:
-            problems.append("sync_bucket_bytes >= 1 MiB, sync_timeout_s > 0, sync_port a port (0: any)")
-        if not self.engines and not self.engine_dns:
-            problems.append("rollout engines are needed (engines or engine_dns) to sync weights and evaluate")
-        for name in ("group_size", "groups_per_step", "max_inflight_groups", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
-        if self.steps < 0:
-            problems.append("steps must be >= 0 (0: train until stopped)")
-        if self.steps == 0 and self.lr_schedule == "cosine":
-            problems.append("the cosine schedule needs a number of steps")
-        if self.group_size < 2:
-            problems.append("group_size must be >= 2 (group-normalised advantages)")
-        if self.temperature <= 0:
-            problems.append("temperature must be > 0 (rollouts sample)")
-        if self.learning_rate <= 0 or self.staleness_limit < 0 or self.eval_every < 0 or self.eval_size < 0:
-            problems.append("learning_rate > 0, staleness_limit >= 0, eval_every >= 0, eval_size >= 0")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-@dataclass
-class Result:
-    accuracy_before: float | None
-    accuracy_after: float | None
-    train_seconds: float  # the loop only (evaluations before and after excluded)
-    trained_samples: int
-    final_version: int
-    final_checkpoint: str
-    counters: dict[str, int]
-    sync_seconds: list[float]
-    history: list[dict[str, Any]]
-    evaluation_before: dict[str, Any] | None = None  # accuracy and tool calls (environment.evaluation_summary)
-    evaluation_after: dict[str, Any] | None = None
-    trainer: dict[str, Any] | None = None  # world size and each rank's state bytes
 
 
 def latest_published(out: Path) -> tuple[int, Path] | None:
@@ -151,6 +52,25 @@ def latest_published(out: Path) -> tuple[int, Path] | None:
         if d.is_dir() and d.name[1:].isdigit() and (d / "config.json").is_file():
             versions.append((int(d.name[1:]), d))
     return max(versions) if versions else None
+
+
+def finished(config: RLConfig) -> tuple[int, int] | None:
+    """(version, steps) when the job has already taken its `steps` (a trainer restarted after it finished; a
+    StatefulSet restarts every container that exits), else None. Read from the published versions alone, so
+    every host can tell before any rank starts: a finished job needs no rendezvous."""
+    latest = latest_published(config.out)
+    if not config.steps or latest is None:
+        return None
+    recorded = steps_recorded(latest[1])
+    steps = recorded if recorded is not None else latest[0]
+    return (latest[0], steps) if steps >= config.steps else None
+
+
+def report_finished(config: RLConfig, version: int, steps: int) -> None:
+    """The completion an RLJob's operator reads (the container's termination message)."""
+    if config.completion_file is not None:
+        done = {"complete": True, "steps": steps, "version": version}
+        config.completion_file.write_text(json.dumps(done) + "\n")
 
 
 @dataclass
@@ -205,7 +125,6 @@ class RLRun:
         self.counters: collections.Counter[str] = collections.Counter()
         self.pending: dict[str, list[tito_pb2.RolloutRecord]] = collections.defaultdict(list)
         self.finished_groups: dict[str, int] = {}  # group id -> records its rollouts wrote
-        self.sync_seconds: list[float] = []
         self.history: list[dict[str, Any]] = []
         self.last_eval: dict[str, Any] | None = None
         self._pushing: asyncio.Task[None] | None = None
@@ -214,15 +133,12 @@ class RLRun:
         self._producer: ProducerProcess | None = None
         self._stop_requested = False
         self.phase = "starting"  # starting, evaluating, training, finishing, done
-        self.last_sync_time: str | None = None  # when a version last reached the engines (UTC, RFC 3339)
-        self.pushed_version: int | None = None  # the version the engines serve (None: not asked yet)
-        self.engine_ranks: dict[str, int] = {}  # each live engine's tensor-parallel size (GetModelInfo)
-        self._collective: CollectiveSync | None = None
+        self.fleet = EngineFleet(config, self.ranks, self.counters)
 
     def progress(self) -> dict[str, Any]:
         """What GET /status reports (the RLJob's status follows it)."""
         return {"phase": self.phase, "steps": self.versions.steps, "targetSteps": self.c.steps,
-                "policyVersion": self.pushed_version, "lastSyncTime": self.last_sync_time,
+                "policyVersion": self.fleet.pushed_version, "lastSyncTime": self.fleet.last_sync_time,
                 "trainerWorldSize": self.world.size}  # fmt: skip
 
     def request_stop(self) -> None:
@@ -280,13 +196,6 @@ class RLRun:
 
     # -- engines ----------------------------------------------------------------------------------------
 
-    async def engines(self) -> list[str]:
-        addresses = set(self.c.engines)
-        if self.c.engine_dns:
-            with contextlib.suppress(OSError):  # not resolvable right now: the static engines, if any
-                addresses |= await resolve_service(self.c.engine_dns)
-        return sorted(addresses)
-
     async def evaluate(self, label: str = "held-out evaluation", leave: bool = True) -> float | None:
         """Greedy final-answer accuracy on the held-out problems, played out on the engines (the synced weights);
         the tool calls of the episodes go to `last_eval`. A progress bar counts the problems (200 take minutes)."""
@@ -295,7 +204,7 @@ class RLRun:
         problems = self.eval_problems[: self.c.eval_size]
         if not problems:
             return None
-        clients = [WorkerClient(e, self.c.tls, self.c.internal_token) for e in await self.live_engines()]
+        clients = [WorkerClient(e, self.c.tls, self.c.internal_token) for e in await self.fleet.live_engines()]
         slots = asyncio.Semaphore(32 * len(clients))
 
         async def one(i: int, p: Problem) -> Outcome:
@@ -320,20 +229,6 @@ class RLRun:
         self.last_eval = evaluation_summary(outcomes)
         return float(self.last_eval["accuracy"])
 
-    async def adopt_engines(self) -> None:
-        """Engines that already serve a later version (a restarted trainer, a second run) only accept newer
-        ones: continue numbering above the highest served version, and push the starting policy to them so
-        every engine serves the weights this run's staleness accounting assumes."""
-        served = max((await self.live_engines()).values())
-        if served == self.versions.latest:
-            self.pushed_version = served  # a fresh start on fresh engines, or a resume on ones serving it
-            return
-        self.versions.latest = max(served + 1, self.versions.latest)
-        published = self.ranks.publish()
-        self.ranks.save_state(self.versions.synced)
-        await self._sync(published)
-        log.info("engines served version %d: the starting policy is version %d", served, self.versions.latest)
-
     def _release(self, step: int) -> None:
         """Groups started from now on get this step's weights (the producer's staleness bound moves on)."""
         if self._producer is not None:
@@ -342,79 +237,8 @@ class RLRun:
             self.driver.advance(step)
 
     async def _push(self, path: Path, step: int) -> None:
-        await self._sync(path)
+        await self.fleet.sync(path)
         self._release(step)
-
-    async def live_engines(self) -> dict[str, int]:
-        """The engines that answer, with the version each serves. One that does not (a worker restarting; it
-        comes back under the Service and gets the next push) is skipped and counted, never fatal."""
-
-        async def probe(address: str) -> tuple[str, int | None]:
-            try:
-                async with WorkerClient(address, self.c.tls, self.c.internal_token) as client:
-                    info = await client.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
-                self.engine_ranks[address] = max(1, int(info.tensor_parallel_size))
-                return address, int(info.weight_version)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("rollout engine %s does not answer (%s): skipped", address, exc.code().name)
-                return address, None
-
-        found = await asyncio.gather(*(probe(a) for a in await self.engines()))
-        live = {a: v for a, v in found if v is not None}
-        self.counters["engines_unreachable"] += len(found) - len(live)
-        if not live:
-            raise RuntimeError(f"no rollout engine answers (tried {[a for a, _ in found]})")
-        return live
-
-    async def _sync(self, path: Path) -> None:
-        """Push a published version to every live engine; an engine that fails the push is counted and gets
-        the next one (the samples it makes meanwhile carry its old version and the staleness filter sees it)."""
-        version = self.versions.synced
-        engines = list(await self.live_engines())
-        results: list[dict[str, float] | BaseException]
-        if self.c.weights_transport == "collective":
-            results = await self._sync_collective(engines, version)
-        else:
-            results = await asyncio.gather(
-                *(
-                    sync_workers(
-                        [e],
-                        version,
-                        path,
-                        tls=self.c.tls,
-                        admin_token=self.c.admin_token,
-                        transport=self.c.weights_transport,
-                        internal_token=self.c.internal_token,
-                    )
-                    for e in engines
-                ),
-                return_exceptions=True,
-            )
-        times = []
-        for address, r in zip(engines, results, strict=True):
-            if isinstance(r, BaseException):
-                log.warning("weight push of v%d to %s failed: %s", version, address, r)
-                self.counters["push_failed"] += 1
-            else:
-                times.append(r[address])
-        if not times:
-            raise RuntimeError(f"the weight push of v{version} failed on every engine")
-        self.sync_seconds.append(max(times))
-        self.pushed_version = version
-        self.last_sync_time = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-    async def _sync_collective(self, engines: list[str], version: int) -> list[dict[str, float] | BaseException]:
-        if self._collective is None:
-            self._collective = CollectiveSync(self.c.sync_address, self.c.sync_port, self.c.sync_timeout_s,
-                                              self.c.sync_bucket_bytes)  # fmt: skip
-        targets = {e: self.engine_ranks.get(e, 1) for e in engines}
-        return await sync_engines(self.ranks, self._collective, targets, version, self.policy_fingerprint,
-                                  self.c.tls, self.c.admin_token, self.c.internal_token)  # fmt: skip
-
-    @functools.cached_property
-    def policy_fingerprint(self) -> str:
-        """The policy's tokenizer, which an engine must serve to take a sync (ids would change meaning)."""
-        return Tokenizer(self.c.policy).fingerprint if (self.c.policy / "tokenizer.json").is_file() else ""
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -430,6 +254,7 @@ class RLRun:
             with logging_redirect_tqdm():  # this process's log lines print above the progress bars, not through them
                 return await self._run()
         finally:
+            self.fleet.close()
             self.ranks.stop()  # the other ranks exit (after a failure too: rank 0's exit status tells)
 
     async def _run(self) -> Result:
@@ -447,7 +272,7 @@ class RLRun:
             self._buffer = RedisBuffer(self.c.redis_url)
         async with secure_channel(self.c.gateway, self.c.tls) as channel:
             self.gateway = tito_pb2_grpc.TitoGatewayStub(channel)  # type: ignore[no-untyped-call]
-            await self.adopt_engines()
+            await self.fleet.adopt()
             self.phase = "evaluating"
             before = await self.evaluate("held-out evaluation before RL")
             eval_before = self.last_eval
@@ -478,7 +303,7 @@ class RLRun:
                 if self.versions.synced < self.versions.latest:
                     final = self.ranks.publish()
                     self.ranks.save_state(self.versions.synced)
-                    await self._sync(final)
+                    await self.fleet.sync(final)
                 train_seconds = time.perf_counter() - start
             finally:
                 bar.close()
@@ -499,7 +324,7 @@ class RLRun:
             accuracy_before=before, accuracy_after=after, train_seconds=train_seconds,
             trained_samples=len(self.history) * self.c.groups_per_step * self.c.group_size,
             final_version=self.versions.synced, final_checkpoint=str(self.versions.synced_path(self.versions.synced)),
-            counters=dict(self.counters), sync_seconds=self.sync_seconds, history=self.history,
+            counters=dict(self.counters), sync_seconds=self.fleet.sync_seconds, history=self.history,
             evaluation_before=eval_before, evaluation_after=self.last_eval if after is not None else None,
             trainer=trainer,
         )  # fmt: skip
@@ -509,9 +334,7 @@ class RLRun:
         return result
 
     def _report_completion(self) -> None:
-        if self.c.completion_file is not None:
-            done = {"complete": True, "steps": self.versions.steps, "version": self.versions.synced}
-            self.c.completion_file.write_text(json.dumps(done) + "\n")
+        report_finished(self.c, self.versions.synced, self.versions.steps)
 
     async def _after_step(
         self,
@@ -549,7 +372,8 @@ class RLRun:
         row = {"step": step, "job_step": self.versions.steps, "seconds": round(time.perf_counter() - start, 3),
                "version": self.versions.latest,
                "max_staleness": self.versions.latest - 1 - oldest, **asdict(stats), **phases, "accuracy": accuracy,
-               "sync_seconds": self.sync_seconds[-1] if self.sync_seconds else None, **evaluation}  # fmt: skip
+               "sync_seconds": self.fleet.sync_seconds[-1] if self.fleet.sync_seconds else None,
+               **evaluation}  # fmt: skip
         self.history.append(row)
         postfix = {"reward": f"{stats.reward:.2f}"}
         if accuracy is not None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from glm5.security import public_view
 
 if TYPE_CHECKING:
-    from glm5_trainer.loop import Result, RLConfig
+    from glm5_trainer.config import Result, RLConfig
 
 
 def write_outputs(out: Path, result: Result, config: RLConfig) -> None:

@@ -29,7 +29,7 @@ from glm5.v1 import tito_pb2, tito_pb2_grpc
 from glm5_trainer.environment import ExactAnswer, Problem, environment, load_problems, prompt_ids, read_turn
 
 if TYPE_CHECKING:
-    from glm5_trainer.loop import RLConfig
+    from glm5_trainer.config import RLConfig
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,8 @@ from glm5.rl.buffer import STREAM, InProcessBuffer, RedisBuffer
 from glm5.v1 import tito_pb2, tito_pb2_grpc
 from glm5_tito.app import start_gateway
 from glm5_tito.gateway import GatewayConfig
-from glm5_trainer.loop import RLConfig, RLRun
+from glm5_trainer.config import RLConfig
+from glm5_trainer.loop import RLRun
 from safetensors.torch import load_file
 
 from tests.helpers.procs import ADMIN_ENV, ADMIN_TOKEN, admin_flags, start_redis, start_worker, stop
@@ -83,7 +84,7 @@ async def test_multi_turn_rollouts_stick_and_the_trainer_scores_them(stack: dict
     tok = run.driver.tok
     async with grpc.aio.insecure_channel(str(stack["gateway"])) as ch:
         gateway = tito_pb2_grpc.TitoGatewayStub(ch)
-        served = max((await run.live_engines()).values())
+        served = max((await run.fleet.live_engines()).values())
         records = []
         for i in range(6):
             rid, context, seen = f"mt-{i}", tok.encode(tok.apply_chat_template(

@@ -19,8 +19,9 @@ from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
 from glm5_tito.app import start_gateway
 from glm5_tito.gateway import GatewayConfig
+from glm5_trainer.config import RLConfig
 from glm5_trainer.environment import CALCULATOR_TOOLS, Problem, ToolUse
-from glm5_trainer.loop import RLConfig, RLRun
+from glm5_trainer.loop import RLRun
 
 from tests.helpers.procs import ADMIN_TOKEN, admin_flags, start_worker, stop
 
