@@ -34,12 +34,11 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from glm5.errors import CheckpointError
+from glm5.model.loader import STORED_DTYPES as STORED
 
 # safetensors' names of what may travel: the trainer's float weights, and a pushed checkpoint's stored formats
 # (FP8 weights, INT4 words and scales, compressed-tensors' shapes) when a worker forwards one to its other hosts
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
-          "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-          "I8": torch.int8, "U8": torch.uint8}  # fmt: skip
+DTYPES = {name: dtype for name, dtype in STORED.items() if name not in ("F64", "BOOL")}
 NAMES = {v: k for k, v in DTYPES.items()}
 MAX_BUCKET_BYTES = 4 << 30  # what one bucket may make a receiver allocate
 MAX_MANIFEST_BYTES = 256 << 20
@@ -173,7 +172,7 @@ class Manifest:
         return cls(version, buckets, senders, stored, quant)
 
 
-STORED_DTYPES = frozenset({*DTYPES, "F64", "BOOL"})  # what a checkpoint may hold (the loader refuses the rest)
+STORED_DTYPES = frozenset(STORED)  # what a checkpoint may hold (the loader refuses the rest)
 
 
 def _parts(t: list[Any]) -> tuple[tuple[int, int], ...]:

@@ -49,8 +49,12 @@ _COLUMNS = re.compile(
 )
 _ROW_PARALLEL_BIAS = re.compile(r"^model\.layers\.\d+\.self_attn\.o_proj\.bias$")
 PROGRESS_MIN_BYTES = 256 << 20
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-                "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
+# safetensors' dtype names, as stored in a checkpoint's headers
+STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                 "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "BOOL": torch.bool}  # fmt: skip
+_DTYPE_BYTES = {name: dtype.itemsize for name, dtype in STORED_DTYPES.items()}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -325,12 +329,9 @@ def shard_reads(
 
 def parse_stored(name: str) -> torch.dtype:
     """A safetensors dtype name (F32, BF16, F8_E4M3, I32, ...) as torch's dtype."""
-    dtypes = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-              "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
-    if name not in dtypes:
+    if name not in STORED_DTYPES:
         raise CheckpointError(f"unknown stored dtype {name}")
-    return dtypes[name]
+    return STORED_DTYPES[name]
 
 
 def _local_experts(model: GlmMoeDsaForCausalLM, stacked: str) -> int:
