@@ -2,11 +2,13 @@
 weight version takes to reach an engine by each transport, on a model large enough for the bytes to matter
 (random weights; results in docs/benchmarks.md; target: collective >= 3x faster than the disk path).
 
-    python -m benchmarks.rl_scale [--experts 32] [--hidden 1024] [--worlds 1,2,4] [--steps 3] [--rows 8]
-                                  [--tokens 64] [--trainer-ranks 2] [--rounds 3] [--bucket-mib 256] [--smoke]
+    python -m benchmarks.rl_scale [--experts 32] [--hidden 1024] [--worlds 1,2,4] [--layouts ep,fsdp] [--steps 3]
+                                  [--rows 8] [--tokens 64] [--trainer-ranks 2] [--rounds 3] [--bucket-mib 256] [--smoke]
 
 Steps: for each world size, that many trainer ranks (FSDP2 over gloo, started as torchrun starts them, one
 thread each) train on one fixed batch of --rows rows of --tokens tokens; one warm-up step, then --steps timed.
+At more than one rank, each of --layouts: the routed experts split over the ranks (expert parallel, the
+tokens sent to them) or gathered onto every rank by FSDP2 per layer (--no-expert-parallel).
 Per world: the median step seconds, the speed-up over one rank, and each rank's peak RSS and parameter +
 gradient + AdamW bytes (which sharding divides by the world). The machine has 2 cores: 4 ranks share them.
 
@@ -45,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._launch import Tokens, start  # noqa: E402
 from tests.helpers.procs import free_port  # noqa: E402
 
+LAYOUTS = {"ep": "expert parallel", "fsdp": "gathered by FSDP2"}
+
 
 def build_model(out: Path, hidden: int, experts: int, seed: int = 0) -> tuple[Path, int]:
     """A random checkpoint of the tiny preset's shape, widened (hidden, experts): (path, parameters)."""
@@ -76,7 +80,7 @@ def step_main(a: argparse.Namespace) -> None:
     world = World.from_env()
     if world.size > 1:
         init(world, torch.device("cpu"), timeout_s=600)
-    policy = Policy(a.model, world=world, dtype=torch.float32, learning_rate=1e-5)
+    policy = Policy(a.model, world=world, dtype=torch.float32, learning_rate=1e-5, expert_parallel=a.layout == "ep")
     rng = random.Random(0)
     records = []
     for i in range(a.rows):
@@ -171,24 +175,26 @@ def steps(a: argparse.Namespace, model: Path, work: Path) -> None:
         return
     rows = []
     for n in a.worlds:
-        out = work / f"steps{n}"
-        out.mkdir()
-        argv = ["--step-main", "--model", str(model), "--out", str(out), "--steps", str(a.steps), "--rows",
-                str(a.rows), "--tokens", str(a.tokens)]  # fmt: skip
-        codes = _ranks(n, argv, {})
-        if any(codes):
-            raise SystemExit(f"step ranks at world {n} exited with {codes}")
-        ranks = [json.loads((out / f"step{r}.json").read_text()) for r in range(n)]
-        rows.append((n, statistics.median(ranks[0]["times"]), ranks))
-    base = rows[0][1]  # the same global batch at every world: the speed-up is the first world's time over this
+        for layout in a.layouts if n > 1 else ["ep"]:  # one rank: nothing to split
+            out = work / f"steps{n}{layout}"
+            out.mkdir()
+            argv = ["--step-main", "--model", str(model), "--out", str(out), "--steps", str(a.steps), "--rows",
+                    str(a.rows), "--tokens", str(a.tokens), "--layouts", layout]  # fmt: skip
+            codes = _ranks(n, argv, {})
+            if any(codes):
+                raise SystemExit(f"step ranks at world {n} ({layout}) exited with {codes}")
+            ranks = [json.loads((out / f"step{r}.json").read_text()) for r in range(n)]
+            rows.append((n, "-" if n == 1 else LAYOUTS[layout], statistics.median(ranks[0]["times"]), ranks))
+    base = rows[0][2]  # the same global batch at every world: the speed-up is the first world's time over this
     print(f"\ntraining steps: {a.rows} rows x {a.tokens} tokens, float32, medians of {a.steps} after a warm-up\n")
-    print("| ranks | step s | speed-up | peak RSS per rank (max) | state bytes per rank (max) | state vs 1 rank |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    state1 = max(sum(r["bytes"].values()) for r in rows[0][2]) * rows[0][0]
-    for n, med, ranks in rows:
+    print("| ranks | experts | step s | speed-up | peak RSS per rank (max) | state bytes per rank (max) | "
+          "state vs 1 rank |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    state1 = max(sum(r["bytes"].values()) for r in rows[0][3]) * rows[0][0]
+    for n, layout, med, ranks in rows:
         rss = max(r["rss"] for r in ranks)
         state = max(sum(r["bytes"].values()) for r in ranks)
-        print(f"| {n} | {med:.2f} | {base / med:.2f}x | {rss / 2**30:.2f} GiB | {state / 2**30:.2f} GiB | "
+        print(f"| {n} | {layout} | {med:.2f} | {base / med:.2f}x | {rss / 2**30:.2f} GiB | {state / 2**30:.2f} GiB | "
               f"{state / state1:.3f} |")  # fmt: skip
 
 
@@ -202,6 +208,9 @@ def main() -> None:
         default=[1, 2, 4],
         help="trainer world sizes of the step phase ('': none)",
     )
+    ap.add_argument("--layouts", type=lambda v: [x for x in v.split(",") if x], default=list(LAYOUTS),
+                    help="the experts' layouts the step phase compares at more than one rank: ep (split over the "
+                    "ranks, tokens sent to them), fsdp (FSDP2 gathers a layer's experts onto every rank)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3, help="timed training steps per world (after one warm-up)")
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64, help="tokens per row")
@@ -217,6 +226,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.layout = a.layouts[0] if a.layouts else "ep"
+    if unknown := set(a.layouts) - set(LAYOUTS):
+        ap.error(f"--layouts: unknown {sorted(unknown)} (have: {', '.join(LAYOUTS)})")
     if a.rank_main:
         rank_main(a)
         return

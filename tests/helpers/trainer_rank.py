@@ -3,7 +3,7 @@ MASTER_PORT in the environment) by tests/integration/test_trainer_fsdp.py.
 
     python -m tests.helpers.trainer_rank --model DIR --records FILE --out DIR
         [--steps 1] [--skip-steps N] [--save-after N --checkpoint DIR] [--resume DIR] [--die-at-step N] [--timeout 60]
-        [--publish DIR] [--activation-checkpointing]
+        [--publish DIR] [--activation-checkpointing] [--no-expert-parallel]
 
 Trains `--steps` steps (float64) on the same records, then writes out/rank{R}.pt: this rank's state bytes, the
 bytes it read of the checkpoint and the steps' stats; rank 0 also writes out/weights.pt, the full updated
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from glm5.v1 import tito_pb2
 from glm5_trainer.distributed import World, init, state_bytes
+from glm5_trainer.experts import ExpertParallel
 from glm5_trainer.policy import Policy
 from glm5_trainer.versions import WeightVersions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -40,6 +41,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--publish", type=Path)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false")
     a = p.parse_args()
     torch.set_num_threads(1)
     world = World.from_env()
@@ -48,7 +50,7 @@ def main() -> None:
     batches = torch.load(a.records, weights_only=False)
     records = [[tito_pb2.RolloutRecord.FromString(r) for r in batch] for batch in batches]
     policy = Policy(a.model, learning_rate=1e-3, world=world, dtype=torch.float64, total_steps=4,
-                    activation_checkpointing=a.activation_checkpointing)  # fmt: skip
+                    activation_checkpointing=a.activation_checkpointing, expert_parallel=a.expert_parallel)  # fmt: skip
     # AdamW's first step moves each weight by lr * g / (|g| + eps): with the default eps (1e-8) a gradient near
     # 1e-8 turns transformers' float32 rounding (norms, softmax and router run in float32 whatever the dtype,
     # and round differently for other batch shapes on some CPUs) into weight differences of 1e-6. With eps 1e-3
@@ -73,7 +75,8 @@ def main() -> None:
     full = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     a.out.mkdir(parents=True, exist_ok=True)
     mine = {"bytes": state_bytes(policy.model, policy.optimizer), "stats": stats, "read": policy.loaded_bytes,
-            "checkpointing": bool(policy.model.is_activation_checkpointing)}  # fmt: skip
+            "checkpointing": bool(policy.model.is_activation_checkpointing),
+            "expert_parallel": any(isinstance(m, ExpertParallel) for m in policy.model.modules())}  # fmt: skip
     torch.save(mine, a.out / f"rank{world.rank}.pt")
     if world.leader:
         torch.save(full, a.out / "weights.pt")

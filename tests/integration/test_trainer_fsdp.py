@@ -107,12 +107,14 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
 ) -> None:
     start = Policy(SHIPPED_MODEL, dtype=torch.float64).model.state_dict()
     results = {}
-    for world in (1, 2, 4):
-        publish = ("--publish", str(tmp_path / f"published{world}"))
-        # 4 ranks recompute each layer in the backward pass: the same step, from less kept memory
-        recompute = ("--activation-checkpointing",) if world == 4 else ()
-        assert _run(world, records, tmp_path / str(world), *publish, *recompute) == [0] * world
-        results[world] = (_weights(tmp_path / str(world)), _ranks(tmp_path / str(world), world))
+    for world in (1, 2, 4, -2):
+        # 4 ranks recompute each layer in the backward pass: the same step, from less kept memory; -2: two ranks
+        # with every expert gathered by FSDP2 instead of split over the ranks (--no-expert-parallel)
+        name = str(world)
+        publish = ("--publish", str(tmp_path / f"published{name}"))
+        extra = ("--activation-checkpointing",) if world == 4 else ("--no-expert-parallel",) if world < 0 else ()
+        assert _run(abs(world), records, tmp_path / name, *publish, *extra) == [0] * abs(world)
+        results[world] = (_weights(tmp_path / name), _ranks(tmp_path / name, abs(world)))
     one, ranks_one = results[1]
     moved = _max_diff(one, {k: v.to(torch.float64) for k, v in start.items()})
     assert moved > 1e-4  # the step changed the weights: the comparison below is not of two untouched models
@@ -122,9 +124,10 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
     # 4e-9 in the loss on one machine, 5.7e-9 in the policy loss on another, whose float32 kernels round
     # differently for other batch shapes) and 6e-10 in the weights (the helper's AdamW eps keeps the first step
     # linear in the gradient, tests/helpers/trainer_rank.py)
-    for world in (2, 4):
+    for world in (2, 4, -2):
         weights, ranks = results[world]
         assert _max_diff(weights, one) <= 1e-8, world
+        assert all(r["expert_parallel"] == (world > 0) for r in ranks)
         s, s1 = ranks[0]["stats"][0], ranks_one[0]["stats"][0]
         assert (
             abs(s.loss - s1.loss) <= 1e-7
@@ -132,7 +135,7 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
             and (s.tokens, s.kept) == (s1.tokens, s1.kept)
         )
         per_rank = [sum(r["bytes"].values()) for r in ranks]
-        assert max(per_rank) <= 1.1 * total / world, (world, per_rank, total)
+        assert max(per_rank) <= 1.1 * total / abs(world), (world, per_rank, total)
         assert all(r["checkpointing"] == (world == 4) for r in ranks)
     _check_published(tmp_path)
 

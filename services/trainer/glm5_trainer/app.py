@@ -113,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each decoder layer's activations in the backward pass instead of keeping them "
                    "(less memory for a longer step)")  # fmt: skip
+    r.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false",
+                   help="with several ranks, let FSDP2 gather every routed expert of a layer onto every rank "
+                   "instead of splitting the experts over the ranks and sending the tokens to them")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> RLConfig:
@@ -138,6 +141,7 @@ def config_from_args(a: argparse.Namespace) -> RLConfig:
             admin_token=admin_token_from_args(a), weights_transport=a.weights_transport,
             sync_address=a.sync_address, sync_port=a.sync_port, sync_bucket_bytes=a.sync_bucket_bytes,
             sync_timeout_s=a.sync_timeout, activation_checkpointing=a.activation_checkpointing,
+            expert_parallel=a.expert_parallel,
             internal_token=internal_token_from_args(a),
         )  # fmt: skip
     except ValueError as exc:

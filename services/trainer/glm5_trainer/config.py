@@ -60,6 +60,7 @@ class RLConfig:
     sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     sync_timeout_s: float = 120.0  # a group's join and each bucket's broadcast
     activation_checkpointing: bool = False  # recompute each layer's activations in the backward pass
+    expert_parallel: bool = True  # several ranks: each holds whole routed experts, the tokens travel to them
 
     def __post_init__(self) -> None:
         problems = []

@@ -97,16 +97,31 @@ def split_by_tokens(lengths: Sequence[int], size: int) -> list[list[int]]:
     return [sorted(p) for p in parts]
 
 
-def shard(model: nn.Module, device: torch.device, mixed_precision: bool | None = None) -> nn.Module:
+def shard(model: nn.Module, device: torch.device, mixed_precision: bool | None = None,
+          expert_parallel: bool = True) -> nn.Module:  # fmt: skip
     """FSDP2 over the whole world: each decoder layer, the embedding and the lm_head are their own units, the
     rest (final norm) the root's. Parameters stay float32 on CPU; on devices they are gathered in bf16 with
     fp32 gradient reduction unless `mixed_precision` is False. Gradients are summed, not averaged: each rank's
-    loss is already its share of the batch's."""
+    loss is already its share of the batch's. `expert_parallel`: the routed experts are split over the world by
+    expert and never gathered; the tokens travel to them (glm5_trainer.experts). Without it FSDP2 gathers
+    every expert of a layer onto every rank for the layer's forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    from glm5_trainer.experts import parallelize_experts
 
     use_mp = device.type != "cpu" if mixed_precision is None else mixed_precision
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if use_mp else None
-    kwargs: dict[str, Any] = {"mp_policy": policy} if policy is not None else {}
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    # one mesh for FSDP2's parameters and the experts': the optimizer's foreach steps take them together
+    mesh = init_device_mesh(device.type, (size,))
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    if expert_parallel:
+        # its own group: the exchanges never queue behind FSDP2's prefetched gathers on the world's
+        group = dist.new_group(backend=backend_for(device)) if dist.is_initialized() else None
+        kwargs["ignored_params"] = parallelize_experts(model, mesh, group, torch.bfloat16 if use_mp else None)
     inner = model.get_submodule("model")
     layers = inner.get_submodule("layers")
     assert isinstance(layers, nn.ModuleList)
@@ -123,7 +138,8 @@ def shard(model: nn.Module, device: torch.device, mixed_precision: bool | None =
     return model
 
 
-def build_sharded(path: Path, dtype: torch.dtype, device: torch.device, **extra: Any) -> tuple[Any, int]:
+def build_sharded(path: Path, dtype: torch.dtype, device: torch.device, expert_parallel: bool = True,
+                  **extra: Any) -> tuple[Any, int]:  # fmt: skip
     """transformers' GlmMoeDsaForCausalLM for `path`, built on the meta device, sharded over the world (`shard`)
     and filled from the checkpoint with this rank's rows only: no rank ever holds the whole model, nor reads
     more of the files than its shards (and the small replicated buffers). Returns (model, bytes read)."""
@@ -134,7 +150,7 @@ def build_sharded(path: Path, dtype: torch.dtype, device: torch.device, **extra:
         raise ConfigError(f"{path}: a sharded trainer loads float checkpoints with untied embeddings")
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM._from_config(config, dtype=dtype, **extra)  # type: ignore[no-untyped-call]
-    shard(model, device)
+    shard(model, device, expert_parallel=expert_parallel)
     model.to_empty(device=device)
     return model, load_own_shards(model, path)
 

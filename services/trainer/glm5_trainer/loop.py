@@ -96,7 +96,8 @@ def open_trainer(config: RLConfig, world: World) -> Trainer:
     done = 0 if resumed_from is None else recorded if recorded is not None else resumed_from[0]
     policy = Policy(start, config.learning_rate, config.region, config.balance_weight, config.entropy_weight,
                     total_steps=config.steps if config.lr_schedule == "cosine" else None, steps_done=done,
-                    world=world, activation_checkpointing=config.activation_checkpointing)  # fmt: skip
+                    world=world, activation_checkpointing=config.activation_checkpointing,
+                    expert_parallel=config.expert_parallel)  # fmt: skip
     versions = WeightVersions(policy.model, config.out, config.policy, config.sync_every_steps,
                               config.sync_interval_s, config.ema_decay, steps=done)  # fmt: skip
     # one rank: the optimizer's state as one file; several: a DCP directory every rank writes its part of

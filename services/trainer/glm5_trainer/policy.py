@@ -112,6 +112,8 @@ class Policy:
     # recompute each decoder layer's activations in the backward pass instead of keeping them (transformers'
     # activation checkpointing, non-reentrant, so FSDP2 gathers the layer again for the recompute)
     activation_checkpointing: bool = False
+    # several ranks: the routed experts split over them by expert, the tokens sent to them (glm5_trainer.experts)
+    expert_parallel: bool = True
     _saver: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="glm5-state")
     )
@@ -131,7 +133,9 @@ class Policy:
         extra: dict[str, Any] = {"experts_implementation": "eager"} if self.dtype == torch.float64 else {}
         if self.world.size > 1:
             init(self.world, torch.device("cpu"))
-            self.model, self.loaded_bytes = build_sharded(self.path, self.dtype, torch.device("cpu"), **extra)
+            self.model, self.loaded_bytes = build_sharded(
+                self.path, self.dtype, torch.device("cpu"), expert_parallel=self.expert_parallel, **extra
+            )
         else:
             self.model = GlmMoeDsaForCausalLM.from_pretrained(self.path, dtype=self.dtype, **extra)
             self.loaded_bytes = sum(f.stat().st_size for f in checkpoint_files(self.path))  # all of it
