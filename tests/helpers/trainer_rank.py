@@ -66,17 +66,20 @@ def main() -> None:
         stats.append(policy.step(records[step % len(records)]))
         if a.save_after and step + 1 == a.save_after:
             policy.save_checkpoint(a.checkpoint, version=step + 1)
+    written: dict[str, int] = {}
     if a.publish:
         versions = WeightVersions(policy.model, a.publish, a.model, sync_every_steps=1)
         versions.advance()
         versions.publish()
+        written = versions.written
         if world.size == 1:
             policy.model.save_pretrained(a.publish / "hf")
     full = get_model_state_dict(policy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     a.out.mkdir(parents=True, exist_ok=True)
     mine = {"bytes": state_bytes(policy.model, policy.optimizer), "stats": stats, "read": policy.loaded_bytes,
             "checkpointing": bool(policy.model.is_activation_checkpointing),
-            "expert_parallel": any(isinstance(m, ExpertParallel) for m in policy.model.modules())}  # fmt: skip
+            "expert_parallel": any(isinstance(m, ExpertParallel) for m in policy.model.modules()),
+            "published": written}  # fmt: skip
     torch.save(mine, a.out / f"rank{world.rank}.pt")
     if world.leader:
         torch.save(full, a.out / "weights.pt")

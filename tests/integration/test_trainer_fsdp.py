@@ -138,6 +138,14 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
         assert max(per_rank) <= 1.1 * total / abs(world), (world, per_rank, total)
         assert all(r["checkpointing"] == (world == 4) for r in ranks)
     _check_published(tmp_path)
+    on_disk = {k: v.numel() * v.element_size() for k, v in _tensors(tmp_path / "published1" / "hf").items()}
+    total, experts = sum(on_disk.values()), sum(b for k, b in on_disk.items() if ".experts." in k)
+    for world in (2, 4, -2):
+        written = [r["published"] for r in results[world][1]]
+        assert sum(w["bytes"] for w in written) == total, written  # every tensor written once, by one rank
+        assert max(w["bytes"] for w in written) <= 1.5 * total / abs(world), written
+        # the experts are written where they are held: a rank gathers only the other entries (one at a time)
+        assert all(0 < w["gathered"] <= total - experts for w in written), (written, total, experts)
 
 
 def test_each_of_3_ranks_reads_only_its_rows_of_the_checkpoint(records: Path, tmp_path: Path) -> None:

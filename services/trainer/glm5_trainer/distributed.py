@@ -31,6 +31,8 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from glm5_trainer.sync import held, layout
+
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -275,49 +277,118 @@ class Commands:
         return out
 
 
-def write_checkpoint(model: nn.Module, folder: Path, max_shard_bytes: int = 2 << 30) -> None:
-    """The model's weights as HuggingFace safetensors shards (experts split per expert, as GLM-5 checkpoints
-    store them) that every rank writes together into `folder`, which must exist. Each file belongs to one rank;
-    its tensors are gathered one at a time (a sharded parameter's full_tensor, a collective every rank joins)
-    and kept only by that rank, so no process ever holds more than its files plus one tensor. Rank 0 writes the
-    index (more than one file) once every rank has written; the config and the rest are the caller's."""
-    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    state = model.state_dict()
-    names = sorted(state)
-    nbytes = {n: state[n].numel() * state[n].element_size() for n in names}
-    # files of similar size, about one per rank and none above the limit (a larger tensor goes alone)
-    target = min(max_shard_bytes, max(1, math.ceil(sum(nbytes.values()) / size)))
-    files: list[list[str]] = [[]]
-    used = 0
-    for n in names:
-        if files[-1] and used + nbytes[n] > target:
-            files.append([])
-            used = 0
-        files[-1].append(n)
-        used += nbytes[n]
+@dataclasses.dataclass(frozen=True)
+class _Unit:
+    """Tensors of the published checkpoint that one rank writes together: an entry whole (gathered first when
+    `gather`), or the experts of a stacked entry that one rank's shard holds whole (`owner`, nothing gathered)."""
+
+    entry: str
+    keys: tuple[str, ...]
+    nbytes: int
+    owner: int | None  # None: any rank may write it (the plan balances them)
+    gather: bool
+
+
+def _units(model: nn.Module, size: int) -> list[_Unit]:
     config: Any = model.config  # both models carry their HF config
     inter = int(config.moe_intermediate_size)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    units: list[_Unit] = []
+    for name, t in sorted(model.state_dict().items()):
+        pieces = [(k, part, parts) for k, part, parts in layout(name, t, size, inter)
+                  if not (tied and k == "lm_head.weight")]  # fmt: skip
+        if len(pieces) == 1 and pieces[0][0] == name:
+            units.append(_Unit(name, (name,), t.numel() * t.element_size(), None, isinstance(t, DTensor)))
+            continue
+        owners: dict[int, list[tuple[str, int]]] = {}
+        for key, part, parts in pieces:  # a stacked entry: each expert whole on one rank (layout's owner)
+            owners.setdefault(parts[0][0], []).append((key, part.numel() * part.element_size()))
+        units += [_Unit(name, tuple(k for k, _ in keys), sum(b for _, b in keys), owner, False)
+                  for owner, keys in sorted(owners.items())]  # fmt: skip
+    return units
+
+
+def checkpoint_plan(model: nn.Module, size: int, max_shard_bytes: int = 2 << 30) -> list[tuple[int, list[_Unit]]]:
+    """The published checkpoint's files as (writing rank, its units), the same on every rank (from names and
+    shapes alone). Each rank writes the experts it holds; the other entries go to the least loaded rank, and a
+    rank's gathered entries and its own are in separate files, so that only the first kind waits on the others.
+    A file stays under `max_shard_bytes` (a larger unit goes alone)."""
+    units = _units(model, size)
+    load = [0] * size
+    for u in units:
+        if u.owner is not None:
+            load[u.owner] += u.nbytes
+    assigned = {id(u): u.owner for u in units}
+    for u in sorted((u for u in units if u.owner is None), key=lambda u: (-u.nbytes, u.entry)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        assigned[id(u)] = r
+        load[r] += u.nbytes
+    files: list[tuple[int, list[_Unit]]] = []
+    for gather in (True, False):
+        for r in range(size):
+            used = 0
+            start = len(files)
+            for u in units:
+                if assigned[id(u)] != r or u.gather != gather:
+                    continue
+                if len(files) == start or (files[-1][1] and used + u.nbytes > max_shard_bytes):
+                    files.append((r, []))
+                    used = 0
+                files[-1][1].append(u)
+                used += u.nbytes
+    return files
+
+
+def write_checkpoint(model: nn.Module, folder: Path, max_shard_bytes: int = 2 << 30) -> dict[str, int]:
+    """The model's weights as HuggingFace safetensors shards (experts split per expert, as GLM-5 checkpoints
+    store them) that every rank writes together into `folder`, which must exist (`checkpoint_plan`). A rank
+    writes the experts its shard holds as they are; an entry sharded by rows is gathered (its full_tensor, a
+    collective every rank joins, one tensor at a time) and kept by the rank that writes it. So no process holds
+    more than its own file plus one tensor, and no expert is ever gathered. Rank 0 writes the index (more than
+    one file) once every rank has written; the config and the rest are the caller's. Returns this rank's files,
+    bytes written and bytes gathered."""
+    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    config: Any = model.config
+    inter = int(config.moe_intermediate_size)
+    state = model.state_dict()
+    plan = checkpoint_plan(model, size, max_shard_bytes)
+    mine = held(model, rank, size)
+    stats = {"files": 0, "bytes": 0, "gathered": 0}
     weight_map: dict[str, str] = {}
-    for i, members in enumerate(files):
-        fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        mine = i % size == rank
-        shard_tensors: dict[str, torch.Tensor] = {}
-        for n in members:
-            t = state[n].detach()
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            if mine:
-                for key, value in on_disk(n, full, inter).items():
-                    if not (tied and key == "lm_head.weight"):
-                        shard_tensors[key] = value.to("cpu").contiguous()
-        if mine:
-            save_file(shard_tensors, str(folder / fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard_tensors, fname))
+    # the files with gathered entries first, in the same order on every rank (their collectives must match);
+    # then each rank writes the rest of its own without waiting for anyone
+    for i, (owner, members) in enumerate(plan):
+        if owner != rank and not any(u.gather for u in members):
+            continue
+        fname = "model.safetensors" if len(plan) == 1 else f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for u in members:
+            t = state[u.entry].detach()
+            if u.gather:
+                full = t.full_tensor()
+                stats["gathered"] += full.numel() * full.element_size()
+                if owner == rank:
+                    tensors[u.entry] = full
+            elif owner == rank:
+                if u.keys == (u.entry,):
+                    tensors[u.entry] = mine.get(u.entry, t)  # a replicated entry: every rank has it whole
+                else:
+                    tensors.update({k: mine[k] for k in u.keys})
+        if owner != rank:
+            continue
+        out = {key: part.to("cpu").contiguous()
+               for name, t in tensors.items() for key, part in on_disk(name, t, inter).items()}  # fmt: skip
+        save_file(out, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(out, fname))
+        stats["files"] += 1
+        stats["bytes"] += sum(v.numel() * v.element_size() for v in out.values())
     maps = [weight_map]
     if size > 1:
         maps = [{} for _ in range(size)]
         dist.all_gather_object(maps, weight_map)
-    if rank == 0 and len(files) > 1:
+    if rank == 0 and len(plan) > 1:
         merged = {k: v for m in maps for k, v in m.items()}
-        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": dict(sorted(merged.items()))}
+        total = sum(u.nbytes for _, members in plan for u in members)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(merged.items()))}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return stats

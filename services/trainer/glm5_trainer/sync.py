@@ -59,7 +59,7 @@ def _sharded(t: torch.Tensor, senders: int) -> bool:
 Parts = tuple[tuple[int, int], ...]
 
 
-def _layout(name: str, t: torch.Tensor, senders: int, moe_intermediate_size: int) -> list[tuple[str, Any, Parts]]:
+def layout(name: str, t: torch.Tensor, senders: int, moe_intermediate_size: int) -> list[tuple[str, Any, Parts]]:
     """An entry's on-disk tensors: (name, its meta tensor, which senders hold its rows): the entry itself split
     as its shard is, or one expert of a stacked entry, whole on the rank that holds that expert."""
     meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
@@ -80,7 +80,7 @@ def manifest(model: nn.Module, version: int, bucket_bytes: int = DEFAULT_BUCKET_
     tied = bool(getattr(config, "tie_word_embeddings", False))
     specs = []
     for name, t in _entries(model):
-        for key, part, parts in _layout(name, t, senders, int(config.moe_intermediate_size)):
+        for key, part, parts in layout(name, t, senders, int(config.moe_intermediate_size)):
             if not (tied and key == "lm_head.weight"):
                 specs.append(TensorSpec(key, tuple(part.shape), NAMES[part.dtype], parts))
     return Manifest(version, plan_buckets(specs, bucket_bytes), senders)
@@ -91,7 +91,7 @@ def held(model: nn.Module, rank: int, senders: int) -> dict[str, torch.Tensor]:
     config: Any = model.config
     out: dict[str, torch.Tensor] = {}
     for name, t in _entries(model):
-        layout = _layout(name, t, senders, int(config.moe_intermediate_size))
+        entry = layout(name, t, senders, int(config.moe_intermediate_size))
         if _sharded(t, senders):
             local = t.detach().to_local()  # type: ignore[attr-defined]
             mine = dict(_chunks(t.shape[0], senders)).get(rank, 0)
@@ -101,10 +101,10 @@ def held(model: nn.Module, rank: int, senders: int) -> dict[str, torch.Tensor]:
             local = t.detach()
         else:
             continue
-        if len(layout) == 1 and layout[0][0] == name:
+        if len(entry) == 1 and entry[0][0] == name:
             out[name] = local
             continue
-        keys = [key for key, _, parts in layout if parts[0][0] == rank]  # this rank's experts, in order
+        keys = [key for key, _, parts in entry if parts[0][0] == rank]  # this rank's experts, in order
         for key, value in zip(keys, on_disk(name, local, int(config.moe_intermediate_size)).values(), strict=True):
             out[key] = value
     return out

@@ -46,6 +46,7 @@ class WeightVersions:
     steps: int = 0  # optimizer steps the job has taken, across trainer restarts (recorded with every version)
     ema: dict[str, torch.Tensor] = field(default_factory=dict)
     _last_sync: float = 0.0
+    written: dict[str, int] = field(default_factory=dict)  # this rank's part of the last publish
 
     def __post_init__(self) -> None:
         if self.sync_every_steps < 1 or not 0 < self.sync_interval_s <= MAX_SYNC_INTERVAL_S:
@@ -90,7 +91,7 @@ class WeightVersions:
             tmp.mkdir(parents=True)
         if dist.is_initialized():
             dist.barrier()  # the folder exists (on a volume every rank shares) before anyone writes into it
-        write_checkpoint(self.model, tmp)
+        self.written = write_checkpoint(self.model, tmp)
         if leader:
             config: Any = self.model.config  # both models carry their HF config
             (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
