@@ -236,7 +236,8 @@ def train_plan(c: dict[str, Any], devices: list[str], counts: list[int], tokens:
                engine_ranks: int) -> list[tuple[str, int, str, bool]]:  # fmt: skip
     """Prints the trainer plan; (device, n, layout, fits) per row."""
     p = parts(c)
-    layouts = [("FSDP2 per layer, fp32 master (ours)", 16.0, False), ("FSDP2 + EP, fp32 master", 16.0, True),
+    layouts = [("FSDP2 per layer, experts gathered (--no-expert-parallel)", 16.0, False),
+               ("FSDP2 + EP, fp32 master (ours, default)", 16.0, True),
                ("FSDP2 + EP, bf16 params, fp32 moments", 12.0, True)]  # fmt: skip
     print(f"\ntrainer memory per device: {p.total / 1e9:,.1f}B parameters, AdamW, micro-batch {tokens:,} tokens, "
           "activation checkpointing, 90% of device memory usable")  # fmt: skip
