@@ -73,7 +73,7 @@ def step_main(a: argparse.Namespace) -> None:
     import random
 
     from glm5.v1 import tito_pb2
-    from glm5_trainer.distributed import World, init, state_bytes
+    from glm5_trainer.distributed import World, init, leave, state_bytes
     from glm5_trainer.policy import Policy
 
     torch.set_num_threads(1)
@@ -102,14 +102,14 @@ def step_main(a: argparse.Namespace) -> None:
     mine = {"times": times, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "bytes": state_bytes(policy.model, policy.optimizer)}  # fmt: skip
     (a.out / f"step{world.rank}.json").write_text(json.dumps(mine))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave()
 
 
 def rank_main(a: argparse.Namespace) -> None:
     """One trainer rank of the sync phase: rank 0 runs the rounds, the others follow its commands."""
     from glm5.security import Secret
     from glm5.tokenizer import Tokenizer
+    from glm5_trainer.distributed import leave
     from glm5_trainer.sync import CollectiveSync, manifest, sync_engines
     from glm5_trainer.versions import sync_workers
 
@@ -118,6 +118,7 @@ def rank_main(a: argparse.Namespace) -> None:
     world, policy, versions, ranks = open_ranks(a.model, a.out, timeout_s=600)
     if not world.leader:
         ranks.follow()
+        leave()
         return
     admin, internal = Secret(os.environ["GLM5_BENCH_ADMIN_TOKEN"]), Secret(os.environ["GLM5_BENCH_INTERNAL_TOKEN"])
     sync = CollectiveSync("127.0.0.1", 0, timeout_s=600, bucket_bytes=a.bucket_mib << 20)
@@ -151,6 +152,7 @@ def rank_main(a: argparse.Namespace) -> None:
     sync.close()
     result = {"bytes": nbytes, "times": times, "rank0_rss_growth": rss_growth}
     (a.out / "result.json").write_text(json.dumps(result))
+    leave()
 
 
 def _ranks(n: int, argv: list[str], env: dict[str, str]) -> list[int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import glm5_trainer.sync as sync_module
 import torch
 from glm5.tokenizer import Tokenizer
-from glm5_trainer.distributed import World, init
+from glm5_trainer.distributed import World, init, leave
 from glm5_trainer.policy import Policy
 from glm5_trainer.ranks import Ranks
 from glm5_trainer.sync import CollectiveSync, sync_engines
@@ -60,6 +60,7 @@ def main() -> None:
         versions.publish()
     if not world.leader:
         ranks.follow()
+        leave()
         return
     if a.die_after_buckets >= 0:
         real = sync_module.pieces
@@ -86,6 +87,7 @@ def main() -> None:
     summary = {"seconds": seconds, "errors": errors, "rss": [before, after], "buckets": len(plan.buckets)}
     (a.out / "sync.json").write_text(json.dumps(summary))
     sync.close()
+    leave()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from glm5.security import (
 )
 
 from glm5_trainer.config import MODES, Result, RLConfig
-from glm5_trainer.distributed import World
+from glm5_trainer.distributed import World, leave
 from glm5_trainer.loop import RLRun, finished, open_trainer, report_finished
 from glm5_trainer.loss import PRESETS, TrustRegion
 from glm5_trainer.status import serve_health, serve_status
@@ -216,6 +216,7 @@ def run(a: argparse.Namespace) -> None:
         if a.status_port and world.local_rank == 0:  # the first rank of another host: its pod's readiness
             serve_health(a.status_host, a.status_port)
         trainer.ranks.follow()
+        leave()
         return
 
     async def main() -> Result:
@@ -229,4 +230,6 @@ def run(a: argparse.Namespace) -> None:
             if status is not None:
                 await status.cleanup()
 
-    print(report(asyncio.run(main())), flush=True)
+    result = asyncio.run(main())
+    leave()
+    print(report(result), flush=True)

@@ -87,6 +87,15 @@ def init(world: World, device: torch.device, timeout_s: float = 300.0) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
 
 
+def leave() -> None:
+    """Leaves the process group, if joined, at the end of a rank's normal run. Without it the interpreter's
+    finalization destroys the backend while gloo's threads still hold work (tensors with Python references),
+    and the process dies of SIGABRT ("terminate called without an active exception") after its work is done,
+    so its launcher or pod reports a failure. Not on an error path: a peer may still be in a collective."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def split_by_tokens(lengths: Sequence[int], size: int) -> list[list[int]]:
     """Row indices per rank with similar token counts: longest rows first, each to the rank with the fewest
     tokens so far (ties: the lower rank). Deterministic, so every rank computes the same split."""
