@@ -39,10 +39,11 @@ SPECIAL_TOKENS = [
 EOS_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
 
 # GLM-style chat template: [gMASK]<sop>, role tokens, <think> blocks, tool calls as XML-ish key/value pairs.
-CHAT_TEMPLATE = (
+# {TOOLS} is where the offered tools go (TOOL_RENDERINGS).
+_CHAT_TEMPLATE = (
     "[gMASK]<sop>"
     "{% if tools %}<|system|>\n# Tools\n\nYou may call one or more functions to assist with the user query.\n"
-    "<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "<tools>\n{TOOLS}</tools>\n"
     "For each function call, output the function name and arguments within the following XML format:\n"
     "<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>...</tool_call>"
     "{% endif %}"
@@ -62,6 +63,26 @@ CHAT_TEMPLATE = (
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
     "{% endif %}"
 )
+# How a template writes the offered tools: "json", each tool's definition as JSON on a line (GLM-5's own); or
+# "signatures", each tool as `name(param, ...)`, its parameters in the schema's order, leaving out types,
+# descriptions and schema keywords. The demo model uses signatures (issue 34, defect 7): at 1.4M parameters it
+# could not learn to read a tool's name and parameters out of ~1,000 tokens of JSON written in varied ways
+# (1.7% on held-out schema variants, docs/benchmarks.md o), and everything a call needs is in the signature.
+TOOL_RENDERINGS = {
+    "json": "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}",
+    "signatures": (
+        "{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+        "{{ f.name }}({{ ((f.parameters or {}).properties or {}).keys() | join(', ') }})\n{% endfor %}"
+    ),
+}
+
+
+def chat_template(tools: str = "json") -> str:
+    """The chat template, with the offered tools written as TOOL_RENDERINGS[tools]."""
+    return _CHAT_TEMPLATE.replace("{TOOLS}", TOOL_RENDERINGS[tools])
+
+
+CHAT_TEMPLATE = chat_template("json")
 
 _WORDS = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one had "

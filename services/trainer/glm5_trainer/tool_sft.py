@@ -30,6 +30,7 @@ Schema forces `{"answer": ` the model has learnt what follows, the number and th
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 from glm5.errors import ConfigError
+from glm5.tokenizer.build import TOOL_RENDERINGS, chat_template
 from glm5.tokenizer.tokenizer import Tokenizer
 
 from glm5_trainer.environment import CALCULATOR_TOOLS, OBSERVATION, Problem, prompt_ids, tool_problems
@@ -100,17 +102,31 @@ def json_answer(tok: Tokenizer, a: int, b: int) -> tuple[list[int], list[int]]:
     return prompt + answer, [-100] * len(prompt) + answer
 
 
-def _save(model: torch.nn.Module, base: Path, out: Path) -> None:
+def _save(model: torch.nn.Module, tokenizer: Path, out: Path) -> None:
     model.eval()
     model.save_pretrained(out, safe_serialization=True)  # type: ignore[operator]
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out / name).write_bytes((base / name).read_bytes())
+    if tokenizer != out:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (out / name).write_bytes((tokenizer / name).read_bytes())
+
+
+def _tokenizer_with(base: Path, out: Path, tool_rendering: str) -> Path:
+    """The base's tokenizer written to `out`, its chat template writing tools as `tool_rendering`."""
+    if tool_rendering not in TOOL_RENDERINGS:
+        raise ConfigError(f"tool_rendering: {tool_rendering!r} is not one of {', '.join(TOOL_RENDERINGS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config["chat_template"] = chat_template(tool_rendering)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out / "tokenizer.json").write_bytes((base / "tokenizer.json").read_bytes())
+    return out
 
 
 def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_batch: int = 48, lr: float = 1e-3,
              tool_share: float = 0.5, small_share: float = 0.25, json_share: float = 0.15, held_out: int = 500,
              drill_share: float = 0.0, index_topk: int | None = 1024, variant_share: float = 0.0,
-             thinking_off_share: float = 0.0, checkpoint_every: int = 0, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+             thinking_off_share: float = 0.0, checkpoint_every: int = 0, tool_rendering: str | None = None,
+             seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Fine-tunes the checkpoint `base` (the addition model, with its tokenizer) into `out`; returns what
     training.json records. `tool_share`: the share of steps on traces; `small_share`: the share of an addition
     batch drawn from single-digit sums; `json_share`: the share answered in JSON; `drill_share`: the share of the
@@ -118,7 +134,9 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
     tool_family's training problems (varied tool definitions, phrasings, operands of 1-4 digits) instead of the
     training format's (environment.tool_problems), and then none of tool_family's held-out operand pairs;
     `thinking_off_share`: the share of those asked with thinking off; `checkpoint_every` (0: never): also save
-    the model every so many steps, to `out/checkpoints/stepN`.
+    the model every so many steps, to `out/checkpoints/stepN`; `tool_rendering` (None: the base's template):
+    the chat template's way of writing the offered tools (glm5.tokenizer.build.TOOL_RENDERINGS), trained with
+    and written into `out`'s tokenizer_config.json.
 
     `index_topk` (None: the base's) replaces the checkpoint's: a trace is ~550 tokens, past the tiny preset's
     top-k of 256, and transformers' indexer runs without gradients (DSA trains it apart, by distillation from
@@ -131,7 +149,8 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
         raise ConfigError("training needs the trainer extra: pip install -e '.[trainer]'") from exc
 
     torch.manual_seed(seed)
-    tok = Tokenizer(base)
+    tokenizer = _tokenizer_with(base, out, tool_rendering) if tool_rendering else base
+    tok = Tokenizer(tokenizer)
     config = GlmMoeDsaConfig.from_pretrained(base)
     if index_topk is not None:  # on the config object: a keyword would land in generation_config.json too
         config.index_topk = index_topk
@@ -175,13 +194,13 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
             shown = "  ".join(f"{k} {v:.4f}" for k, v in recent.items())
             print(f"step {step:5d}  loss {shown}  {time.perf_counter() - start:6.0f}s", flush=True)
         if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-            _save(model, base, out / "checkpoints" / f"step{step + 1}")
+            _save(model, tokenizer, out / "checkpoints" / f"step{step + 1}")
             model.train()
-    _save(model, base, out)
+    _save(model, tokenizer, out)
     final = {k: sum(v[-25:]) / len(v[-25:]) for k, v in losses.items()}
     return {"task": "tools", "base": str(base), "steps": steps, "tool_batch": tool_batch,
             "addition_batch": addition_batch, "learning_rate": lr, "tool_share": tool_share,
             "small_share": small_share, "json_share": json_share, "drill_share": drill_share, "held_out": held_out,
             "index_topk": model.config.index_topk, "variant_share": variant_share,
-            "thinking_off_share": thinking_off_share, "seed": seed,
+            "thinking_off_share": thinking_off_share, "tool_rendering": tool_rendering, "seed": seed,
             "final_loss": final, "train_seconds": time.perf_counter() - start}  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from glm5.model.presets import SHIPPED_MODEL
@@ -135,3 +136,20 @@ def test_calls_fill_the_parameters_in_the_schemas_order_and_run_under_any_names(
         result = ToolRegistry.from_openai(list(p.tools)).resolve(body)
         assert isinstance(result, ToolCall) and ToolUse().run_call(result) == p.answer
     assert len(names) > 10
+
+
+def test_finetune_trains_with_and_ships_the_tool_rendering_it_was_given(tiny_model: Path, tmp_path: Path) -> None:
+    from glm5.errors import ConfigError
+    from glm5.tokenizer.build import chat_template
+    from glm5_trainer.tool_sft import finetune
+
+    with pytest.raises(ConfigError, match="tool_rendering"):
+        finetune(tiny_model, tmp_path / "bad", 1, tool_rendering="yaml")
+    record = finetune(tiny_model, tmp_path / "out", 2, tool_batch=2, addition_batch=2, tool_share=1.0,
+                      variant_share=1.0, tool_rendering="signatures")  # fmt: skip
+    assert record["tool_rendering"] == "signatures"
+    tok = Tokenizer(tmp_path / "out")
+    assert tok.chat_template == chat_template("signatures") != Tokenizer(tiny_model).chat_template
+    p = tf.sample(random.Random(0))
+    names = [t["function"]["name"] for t in p.tools]
+    assert "<tools>\n" + "".join(f"{n}(" for n in names[:1]) in tok.decode(prompt_ids(tok, p))
