@@ -46,6 +46,8 @@ PARAMS = (("a", "b"),) * 6 + (("x", "y"), ("x", "y"), ("first", "second"), ("num
           ("left", "right"), ("number1", "number2"), ("p", "q"), ("u", "v"), ("i", "j"), ("value_a", "value_b"),
           ("operand1", "operand2"), ("n1", "n2"), ("int1", "int2"), ("arg1", "arg2"))  # fmt: skip
 HELD_OUT_PARAMS = (("lhs", "rhs"), ("x1", "x2"), ("val1", "val2"), ("s", "t"), ("number_a", "number_b"))
+_HELD_OUT_NAMES = frozenset(name for pair in HELD_OUT_PARAMS for name in pair)
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 DESCRIPTIONS: dict[str, tuple[str | None, ...]] = {
     "+": ("Add two integers.", "Add two integers.", "Add two numbers.", "Returns the sum of two integers.",
@@ -120,6 +122,25 @@ def calculation(p: Problem) -> tuple[int, str, int]:
     return int(m[1]), m[2], int(m[3])
 
 
+def random_params(rng: random.Random) -> tuple[str, str]:
+    """Two made-up parameter names (`qe`/`vwd`, `kop1`/`kop2`, `zu_a`/`zu_b`), none of HELD_OUT_PARAMS': with a
+    few dozen names a small model learns them by heart and writes them whatever the schema says; names it
+    cannot have seen make copying them from the offered tools the only way to fit."""
+
+    def word() -> str:
+        return "".join(rng.choice(_LETTERS) for _ in range(rng.randint(1, 6)))
+
+    while True:
+        kind = rng.randrange(3)
+        if kind == 0:
+            pair = (word(), word())
+        else:
+            stem, ends = word(), (("1", "2"), ("_1", "_2"), ("_a", "_b"), ("a", "b"))[rng.randrange(4)]
+            pair = (stem + ends[0], stem + ends[1])
+        if pair[0] != pair[1] and not _HELD_OUT_NAMES.intersection(pair):
+            return pair
+
+
 def _schema(
     params: tuple[str, str],
     prop: dict[str, Any],
@@ -160,10 +181,13 @@ def _function(rng: random.Random, name: str, description: str | None, parameters
 
 
 def sample(rng: random.Random, held: frozenset[str] = frozenset(), op: str | None = None, digits: tuple[int, int]
-           | None = None, thinking: bool = True, exclude: frozenset[str] = frozenset()) -> Problem:  # fmt: skip
+           | None = None, thinking: bool = True, exclude: frozenset[str] = frozenset(),
+           made_up_params: float = 0.0) -> Problem:  # fmt: skip
     """One problem: `held` names the held-out axes it uses (empty: a training problem); `op` ("+" or "*") and
     `digits` (each operand's) are drawn when not given; the operand pair is a held-out one exactly when `held`
-    is not empty, and none in `exclude` (ids `a op b`)."""
+    is not empty, and none in `exclude` (ids `a op b`); `made_up_params`: the chance that the parameters get
+    `random_params` names instead of PARAMS' (training only; 0 draws nothing more, so the held-out sets stay
+    what they were)."""
     op = op or rng.choice("+*")
     while True:
         da, db = digits or (rng.randint(1, 4), rng.randint(1, 4))
@@ -172,6 +196,8 @@ def sample(rng: random.Random, held: frozenset[str] = frozenset(), op: str | Non
             break
     pick: Any = rng.choice
     params = pick(HELD_OUT_PARAMS if "params" in held else PARAMS)
+    if made_up_params and not held and rng.random() < made_up_params:
+        params = random_params(rng)
     if rng.random() < 0.2:
         params = params[::-1]
     prop = _INTEGER if rng.random() < 0.8 else _NUMBER

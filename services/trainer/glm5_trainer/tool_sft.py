@@ -126,7 +126,7 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
              tool_share: float = 0.5, small_share: float = 0.25, json_share: float = 0.15, held_out: int = 500,
              drill_share: float = 0.0, index_topk: int | None = 1024, variant_share: float = 0.0,
              thinking_off_share: float = 0.0, checkpoint_every: int = 0, tool_rendering: str | None = None,
-             seed: int = 0) -> dict[str, Any]:  # fmt: skip
+             made_up_params: float = 0.0, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Fine-tunes the checkpoint `base` (the addition model, with its tokenizer) into `out`; returns what
     training.json records. `tool_share`: the share of steps on traces; `small_share`: the share of an addition
     batch drawn from single-digit sums; `json_share`: the share answered in JSON; `drill_share`: the share of the
@@ -136,7 +136,8 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
     `thinking_off_share`: the share of those asked with thinking off; `checkpoint_every` (0: never): also save
     the model every so many steps, to `out/checkpoints/stepN`; `tool_rendering` (None: the base's template):
     the chat template's way of writing the offered tools (glm5.tokenizer.build.TOOL_RENDERINGS), trained with
-    and written into `out`'s tokenizer_config.json.
+    and written into `out`'s tokenizer_config.json; `made_up_params`: the share of those problems whose
+    parameters have made-up names (tool_family.random_params), so that the calls copy names from the schema.
 
     `index_topk` (None: the base's) replaces the checkpoint's: a trace is ~550 tokens, past the tiny preset's
     top-k of 256, and transformers' indexer runs without gradients (DSA trains it apart, by distillation from
@@ -169,7 +170,7 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
             return rng.sample(tools_train, n)
         thinking = [rng.random() >= thinking_off_share for _ in range(n)]
         return [rng.choice(tools_train) if rng.random() >= variant_share else
-                sample(rng, thinking=t, exclude=exclude) for t in thinking]  # fmt: skip
+                sample(rng, thinking=t, exclude=exclude, made_up_params=made_up_params) for t in thinking]  # fmt: skip
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
@@ -202,5 +203,6 @@ def finetune(base: Path, out: Path, steps: int, tool_batch: int = 8, addition_ba
             "addition_batch": addition_batch, "learning_rate": lr, "tool_share": tool_share,
             "small_share": small_share, "json_share": json_share, "drill_share": drill_share, "held_out": held_out,
             "index_topk": model.config.index_topk, "variant_share": variant_share,
-            "thinking_off_share": thinking_off_share, "tool_rendering": tool_rendering, "seed": seed,
+            "thinking_off_share": thinking_off_share, "tool_rendering": tool_rendering,
+            "made_up_params": made_up_params, "seed": seed,
             "final_loss": final, "train_seconds": time.perf_counter() - start}  # fmt: skip

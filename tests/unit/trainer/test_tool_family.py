@@ -153,3 +153,27 @@ def test_finetune_trains_with_and_ships_the_tool_rendering_it_was_given(tiny_mod
     p = tf.sample(random.Random(0))
     names = [t["function"]["name"] for t in p.tools]
     assert "<tools>\n" + "".join(f"{n}(" for n in names[:1]) in tok.decode(prompt_ids(tok, p))
+
+
+def test_made_up_parameter_names_are_new_and_leave_the_held_out_sets_as_they_were() -> None:
+    held = {name for pair in tf.HELD_OUT_PARAMS for name in pair}
+    seen = set()
+    for i in range(500):
+        pair = tf.random_params(random.Random(i))
+        assert pair[0] != pair[1] and not held & set(pair) and all(n.isidentifier() for n in pair)
+        seen.add(pair)
+    assert len(seen - set(tf.PARAMS)) > 450  # a short made-up pair can be a known one by chance
+    rng = random.Random(7)
+    known, new = set(tf.PARAMS) | {q[::-1] for q in tf.PARAMS}, 0
+    for _ in range(100):
+        p = tf.sample(rng, made_up_params=1.0)
+        op = operands(p)[1]
+        fn = next(t["function"] for t in p.tools if tf.OPERATION_OF.get(t["function"]["name"]) == op)
+        new += tuple(fn["parameters"]["properties"]) not in known
+        assert p.id.startswith("train:") and tool_turns(p)[0].count("<arg_key>") == 2
+    assert new >= 95
+    # a held-out problem never gets made-up names, and a share of 0 draws nothing: the same problems as before
+    assert all(tf.sample(random.Random(i), frozenset({"params"}), made_up_params=1.0).id.startswith("params:")
+               for i in range(20))  # fmt: skip
+    assert [tf.sample(random.Random(i), made_up_params=0.0) for i in range(20)] == [
+        tf.sample(random.Random(i)) for i in range(20)]  # fmt: skip
