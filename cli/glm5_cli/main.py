@@ -19,7 +19,7 @@ from glm5_cli.lazy import Declare, HelpFormatter, LazyParser
 def _init_model(a: argparse.Namespace) -> None:
     from glm5.model.presets import init_model
 
-    path = init_model(a.out, preset=a.preset, seed=a.seed)
+    path = init_model(a.out, preset=a.preset, seed=a.seed, mtp_layers=a.mtp_layers)
     print(f"wrote a random-weight {a.preset} GLM-5 checkpoint with its tokenizer to {path}")
 
 
@@ -202,6 +202,8 @@ def _init_model_arguments(m: argparse.ArgumentParser) -> None:
     m.add_argument("--preset", default="tiny", help="model size (glm5.model.presets: tiny, ...)")
     m.add_argument("--out", required=True, help="checkpoint directory to write")
     m.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    m.add_argument("--mtp-layers", type=int, default=0,
+                   help="multi-token-prediction layers written after the decoder layers (MTP speculation)")  # fmt: skip
 
 
 # name, one-line help, flags (declared when the sub-command is used), what runs it

@@ -79,9 +79,11 @@ class SimpleRunner:
         self.device = dev = next(model.parameters()).device
         blocks = -(-max_tokens // block_size)
         index_layers = {layer: i for i, layer in enumerate(c.full_indexer_layers)}
+        mtp = len(model.mtp_layers)  # each with its own cache rows and indexer keys, after the decoder layers'
+        slots = tuple(index_layers.get(i, -1) for i in range(c.num_hidden_layers))
         layout = KVLayout(
-            c.num_hidden_layers, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim,
-            tuple(index_layers.get(i, -1) for i in range(c.num_hidden_layers)), block_size, blocks, 0,
+            c.num_hidden_layers + mtp, c.kv_lora_rank, c.qk_rope_head_dim, c.index_head_dim,
+            slots + tuple(range(len(index_layers), len(index_layers) + mtp)), block_size, blocks, 0,
             next(model.parameters()).dtype, dev,
         )  # fmt: skip
         self.model, self.storage = model, PagedKVStorage(layout)
@@ -108,6 +110,32 @@ class SimpleRunner:
         group = DecodeGroup(1, self.table[None], torch.tensor([p + 1], device=dev), p + 1)
         batch = ForwardBatch(torch.tensor([token], device=dev), pos, pos, group, [], torch.tensor([0], device=dev))
         return self.model(batch, self.storage, self.kernels, self.controls)[0]
+
+    @torch.no_grad()
+    def prefill_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """prefill's step, returning every row's last hidden state (after the final norm) instead of logits."""
+        n, p0, dev = ids.shape[0], self.length, self.device
+        pos = torch.arange(p0, p0 + n, device=dev)
+        batch = ForwardBatch(ids.to(dev), pos, pos, None, [PrefillChunk(0, n, p0 + n, self.table)],
+                             torch.arange(n, device=dev))  # fmt: skip
+        self.length += n
+        return self.model.hidden_states(batch, self.storage, self.kernels, self.controls)
+
+    @torch.no_grad()
+    def mtp(self, next_ids: torch.Tensor, hidden: torch.Tensor, start: int, decode: bool = False) -> torch.Tensor:
+        """The first MTP layer over positions start.. (row i: the token after position start + i and that
+        position's hidden state), its cache rows written at those positions; logits of every row. `decode`: one
+        row as a decode step, over the MTP cache rows before it."""
+        n, dev = next_ids.shape[0], self.device
+        pos = torch.arange(start, start + n, device=dev)
+        if decode:
+            assert n == 1
+            group = DecodeGroup(1, self.table[None], torch.tensor([start + 1], device=dev), start + 1)
+            batch = ForwardBatch(next_ids.to(dev), pos, pos, group, [], torch.tensor([0], device=dev))
+        else:
+            batch = ForwardBatch(next_ids.to(dev), pos, pos, None, [PrefillChunk(0, n, start + n, self.table)],
+                                 torch.arange(n, device=dev))  # fmt: skip
+        return self.model.mtp_forward(batch, hidden, self.storage, self.kernels, self.controls)[0]
 
 
 def prompt_ids(vocab: int, n: int, seed: int = 3) -> list[int]:

@@ -2,7 +2,9 @@
 
 Tensors are read lazily one at a time into a model built on the meta device, so peak memory is the model
 plus one tensor. Routed experts are stored per expert on disk (mlp.experts.{e}.{gate,up,down}_proj.weight)
-and stacked in memory. Multi-token-prediction layers (index >= num_hidden_layers) are skipped.
+and stacked in memory. Multi-token-prediction layers (index >= num_hidden_layers) are skipped unless asked
+for (`mtp`); they then load like decoder layers, and their copy of the embeddings is not read (it is the
+model's own).
 
 Under tensor parallelism (glm5.parallel) a rank reads only its slices (safetensors' get_slice): a split
 tensor's rows or columns, its own experts, never the whole checkpoint.
@@ -41,7 +43,7 @@ _EXPERT = re.compile(
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # Split by rows (output features) / columns (input features) under tensor parallelism; all else is replicated.
 _ROWS = re.compile(
-    r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(self_attn\.(q_b_proj|kv_b_proj)"
+    r"^(model\.embed_tokens|lm_head|model\.layers\.\d+\.(shared_head\.head|self_attn\.(q_b_proj|kv_b_proj)"
     r"|mlp\.(shared_experts\.)?(gate_proj|up_proj)))\.weight(_scale_inv|_packed|_scale|_shape)?$"
 )
 _COLUMNS = re.compile(
@@ -160,9 +162,10 @@ def load_model(
     progress: bool | None = None,
     rope: RopeConfig | None = None,
     tp: TensorParallel = SINGLE,
+    mtp: str = "skip",
 ) -> GlmMoeDsaForCausalLM:
     """Builds the model of the checkpoint at `path` (this rank's shard under `tp`); `rope` replaces the
-    checkpoint's RoPE parameters."""
+    checkpoint's RoPE parameters; `mtp` as build_model's."""
     path = Path(path)
     config = ModelConfig.from_file(path)
     if rope is not None:
@@ -172,7 +175,45 @@ def load_model(
     files = checkpoint_files(path)
     total = sum(f.stat().st_size for f in files)
     return build_model(config, iter_tensors(files), stored_dtypes(files), dtype, device, quant=quant, tp=tp,
-                       total_bytes=total, progress=progress, source=f"checkpoint {path}")  # fmt: skip
+                       total_bytes=total, progress=progress, source=f"checkpoint {path}", mtp=mtp)  # fmt: skip
+
+
+MTP_MODES = ("skip", "auto", "require")
+
+
+def mtp_layers_stored(config: ModelConfig, stored: Iterable[str]) -> list[bool]:
+    """For each MTP layer the config declares, whether the checkpoint has any tensor of it."""
+    n, found = config.num_hidden_layers, set()
+    for name in stored:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= n:
+            found.add(int(m.group(1)) - n)
+    return [i in found for i in range(config.num_nextn_predict_layers)]
+
+
+def _mtp_to_build(config: ModelConfig, stored: dict[str, str], mtp: str, source: str) -> tuple[int, bool]:
+    """(how many MTP layers to build, whether with their own LM heads) under `mtp`: "skip" none; "auto" the
+    ones the checkpoint stores (a warning when the config declares layers it lacks: community quantizations
+    often drop them); "require" every declared one (the missing-tensors check then names what is absent)."""
+    if mtp not in MTP_MODES:
+        raise ValueError(f"mtp {mtp!r}: one of {', '.join(MTP_MODES)}")
+    declared = config.num_nextn_predict_layers
+    if mtp == "skip" or (mtp == "auto" and not declared):
+        return 0, False
+    if not declared:
+        raise CheckpointError(f"{source} has no multi-token-prediction layers (config.json num_nextn_predict_layers "
+                              "is 0): speculative decoding by MTP needs a checkpoint that has them")  # fmt: skip
+    present = mtp_layers_stored(config, stored)
+    built = declared if mtp == "require" else next((i for i, p in enumerate(present) if not p), declared)
+    if built < declared:
+        log.warning("%s declares %d multi-token-prediction layers but stores weights for %d of them: serving "
+                    "without the others (MTP speculative decoding %s)", source, declared, built,
+                    "drafts with the ones stored" if built else "is off")  # fmt: skip
+    first = config.num_hidden_layers
+    heads = {f"model.layers.{first + i}.shared_head.head.weight" in stored for i in range(built)}
+    if len(heads) > 1:
+        raise CheckpointError(f"{source}: some MTP layers store their own shared_head.head and some do not")
+    return built, heads == {True}
 
 
 def build_model(
@@ -187,13 +228,17 @@ def build_model(
     total_bytes: int = 0,
     progress: bool | None = None,
     source: str = "checkpoint",
+    mtp: str = "skip",
 ) -> GlmMoeDsaForCausalLM:
     """The model of `config` (this rank's shard under `tp`) from checkpoint tensors under their on-disk names,
     read one at a time in the order given (`stored`: every tensor's safetensors dtype, known up front because it
-    decides which layers are quantized). A file's tensors, or ones arriving over a weight-sync group."""
+    decides which layers are quantized). A file's tensors, or ones arriving over a weight-sync group. `mtp`:
+    the multi-token-prediction layers, "skip" (not built, their tensors not read), "auto" (those stored) or
+    "require" (all the config declares, or an error naming the missing tensors)."""
     device = torch.device(device)
+    mtp_built, mtp_heads = _mtp_to_build(config, stored, mtp, source)
     with torch.device("meta"):
-        model = GlmMoeDsaForCausalLM(config, tp)
+        model = GlmMoeDsaForCausalLM(config, tp, mtp_built, mtp_heads)
     model = model.to(dtype)
     for layer in model.model.layers:
         assert isinstance(layer, DecoderLayer)
@@ -220,7 +265,11 @@ def build_model(
             name = _canonical(stored_name, stored)
             bar.update(lazy.nbytes)  # scanned, whether this rank reads it all, a part or nothing
             layer_match = _LAYER.match(name)
-            if layer_match and int(layer_match.group(1)) >= config.num_hidden_layers:
+            # an MTP layer not built, or an MTP layer's copy of the embeddings (the model's own serves it)
+            layer_index = int(layer_match.group(1)) if layer_match else -1
+            if layer_index >= config.num_hidden_layers + mtp_built or (
+                layer_index >= config.num_hidden_layers and name.endswith(".embed_tokens.weight")
+            ):
                 skipped_mtp += 1
                 continue
             if name.endswith(".weight_shape"):
@@ -266,13 +315,18 @@ def build_model(
         pending.discard("lm_head.weight")
     if pending:
         listed = ", ".join(sorted(pending)[:8])
+        mtp_missing = [n for n in pending if (m := _LAYER.match(n)) and int(m.group(1)) >= config.num_hidden_layers]
+        if mtp_missing and mtp == "require":
+            raise CheckpointError(f"{source} lacks weights of its multi-token-prediction layers, which MTP "
+                                  f"speculative decoding needs: {len(pending)} missing, e.g. {listed}")  # fmt: skip
         raise CheckpointError(f"{source} is missing {len(pending)} tensors: {listed}")
     if dtype == torch.bfloat16 and device.type == "cpu":
         for module in model.modules():
             if isinstance(module, Int4Linear | Experts):
                 module.use_cpu_kernel()
     if skipped_mtp:
-        log.info("ignored %d tensors of multi-token-prediction layers (not used for serving)", skipped_mtp)
+        log.info("ignored %d tensors of multi-token-prediction layers (not built, or the embeddings' copy)",
+                 skipped_mtp)  # fmt: skip
     if unexpected:
         log.warning("ignored %d unknown tensors, e.g. %s", len(unexpected), unexpected[0])
     return model.eval()

@@ -88,16 +88,21 @@ def init_weights(model: GlmMoeDsaForCausalLM, seed: int, std: float = 0.02) -> N
                 b.zero_()
 
 
-def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, vocab_size: int = 1024) -> Path:
-    """Writes a random-weight checkpoint with a real tokenizer to `out` and returns the path."""
+def init_model(out: str | Path, preset: str = "tiny", seed: int = 0, vocab_size: int = 1024,
+               mtp_layers: int = 0) -> Path:  # fmt: skip
+    """Writes a random-weight checkpoint with a real tokenizer to `out` and returns the path; with
+    `mtp_layers`, that many multi-token-prediction layers too (glm5.model.model), under the checkpoint's names
+    (model.layers.{L + i}), sharing the model's LM head."""
+    if mtp_layers < 0:
+        raise ConfigError(f"--mtp-layers {mtp_layers}: must be >= 0")
     out = Path(out)
     tok = write_tokenizer(out, vocab_size=vocab_size, seed=seed)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     padded = (vocab + 63) // 64 * 64  # embedding rows round up, as real checkpoints do
     eos = [i for t in EOS_TOKENS if (i := tok.token_to_id(t)) is not None]
-    config = preset_config(preset, padded, eos)
+    config = preset_config(preset, padded, eos, num_nextn_predict_layers=mtp_layers)
     torch.manual_seed(seed)
-    model = GlmMoeDsaForCausalLM(config)
+    model = GlmMoeDsaForCausalLM(config, mtp_layers=mtp_layers)
     init_weights(model, seed)
     save_checkpoint(model, out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2))
