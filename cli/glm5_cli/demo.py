@@ -18,10 +18,15 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from glm5.errors import ConfigError
+from glm5.parsing.reasoning import THINK_CLOSE, THINK_OPEN
+from glm5.parsing.tools import TAGS as TOOL_TAGS
+from glm5.parsing.tools import ToolRegistry
+from glm5.tokenizer.tokenizer import Tokenizer
 from glm5_trainer.environment import (
     Outcome,
     Problem,
@@ -37,6 +42,7 @@ from glm5_trainer.tool_sft import finetune
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import FinishReason, SamplingParams
+from glm5_worker.engine.structured import OutputFormat
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,10 +85,22 @@ def evaluate(model_dir: Path, max_operand: int, held_out: int, seed: int, limit:
     return float(play_offline(model_dir, "addition", test[:limit] if limit else test, max_new_tokens=40)["accuracy"])
 
 
+def tool_call_format(tok: Tokenizer, p: Problem) -> OutputFormat | None:
+    """What the router attaches to a chat request offering `p`'s tools under tool_choice auto
+    (RouterConfig.tool_call_grammar): the lazy tool-call grammar, thinking before it free when it is on."""
+    if not p.tools:
+        return None
+    ids = {t: i for t in TOOL_TAGS if (i := tok.token_id(t)) is not None}
+    grammar = ToolRegistry.from_openai(list(p.tools)).call_grammar(None, ids, lazy=True)
+    think = {"think_open": tok.token_id(THINK_OPEN), "think_close": tok.token_id(THINK_CLOSE)} if p.thinking else {}
+    return OutputFormat("lark_grammar", grammar, **think)
+
+
 def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_new_tokens: int = 48,
-                 max_model_len: int = 1024) -> dict[str, Any]:  # fmt: skip
+                 max_model_len: int = 1024, tool_grammar: bool = False) -> dict[str, Any]:  # fmt: skip
     """Plays every problem's episode (greedy) on our own engine in this process, all at once (the engine batches
-    their turns), and summarises them: accuracy, and the tool calls (environment.evaluation_summary)."""
+    their turns), and summarises them: accuracy, and the tool calls (environment.evaluation_summary).
+    `tool_grammar`: each turn held to the lazy tool-call grammar, as `glm5 serve` holds it (tool_call_format)."""
     # eager: the same greedy tokens as compiled steps (tests/unit/worker/test_compiled_decode.py) without minutes
     # of compiling for a one-off evaluation
     engine = Engine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, kv_cache_bytes=256 << 20,
@@ -91,16 +109,22 @@ def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_ne
     waiting: dict[str, tuple[asyncio.Future[tuple[list[int], bool]], list[int]]] = {}
     counter = itertools.count()
 
-    async def generate(context: list[int]) -> tuple[list[int], bool]:
-        rid = f"t{next(counter)}"
-        done: asyncio.Future[tuple[list[int], bool]] = asyncio.get_running_loop().create_future()
-        waiting[rid] = (done, [])
-        engine.add_request(rid, None, context, SamplingParams(temperature=0, max_new_tokens=max_new_tokens))
-        return await done
+    def generator(fmt: OutputFormat | None) -> Callable[[list[int]], Awaitable[tuple[list[int], bool]]]:
+        async def generate(context: list[int]) -> tuple[list[int], bool]:
+            rid = f"t{next(counter)}"
+            done: asyncio.Future[tuple[list[int], bool]] = asyncio.get_running_loop().create_future()
+            waiting[rid] = (done, [])
+            params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, output_format=fmt)
+            engine.add_request(rid, None, context, params)
+            return await done
+
+        return generate
 
     async def main() -> list[Outcome]:
         tok = engine.tokenizer
-        tasks = [asyncio.ensure_future(env.play(p, prompt_ids(tok, p), generate, tok)) for p in problems]
+        formats = [tool_call_format(tok, p) if tool_grammar else None for p in problems]
+        tasks = [asyncio.ensure_future(env.play(p, prompt_ids(tok, p), generator(f), tok))
+                 for p, f in zip(problems, formats, strict=True)]  # fmt: skip
         while not all(t.done() for t in tasks):
             await asyncio.sleep(0)  # episodes whose turn ended submit their next one
             if not engine.has_work:

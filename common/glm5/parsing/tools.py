@@ -145,11 +145,13 @@ class ToolRegistry:
             reg.tools[name] = Tool(name, params, signature(name, params))
         return reg
 
-    def call_grammar(self, name: str | None, token_ids: dict[str, int]) -> str:
+    def call_grammar(self, name: str | None, token_ids: dict[str, int], lazy: bool = False) -> str:
         """A Lark grammar (llguidance's dialect) for `tool_choice`: exactly one call to `name`, or (None) one or
-        more calls to any tool. Arguments come in the schema's property order, the required ones always;
+        more calls to any tool; `lazy` (tool_choice "auto"): any text, then zero or more calls, so the model may
+        answer without a call but every call it opens is one the tools accept (llama.cpp's lazy tool-call
+        grammars do the same). Arguments come in the schema's property order, the required ones always;
         string values verbatim (as the chat template writes them), others as JSON valid against their schema.
-        `token_ids`: the ids of the tool-call tags, which are special tokens."""
+        `token_ids`: the ids of the tool-call tags, which are special tokens (text never holds them)."""
         tag = {t: f"<[{token_ids[t]}]>" for t in TAGS}
         rules, calls = [], []
         for i, tool in enumerate(self.tools.values()):
@@ -172,6 +174,10 @@ class ToolRegistry:
             calls.append(f"call{i}")
         if not calls:
             raise ValueError(f"no tool named {name!r}")
+        if lazy:
+            if name is not None:
+                raise ValueError("a lazy grammar is for tool_choice auto: any tool or none")
+            return "\n".join([f"start: TEXT ({' | '.join(calls)})*", "TEXT: /(?s:.)*/", *rules])
         start = calls[0] if name is not None else f"({' | '.join(calls)})+"
         return "\n".join([f"start: {start}", *rules])
 

@@ -125,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinking-policy", default=d.thinking_policy, choices=["off", "light", "deep", "auto"],
                    help="reasoning of requests that do not choose (auto: on when the last user message holds "
                    "code)")  # fmt: skip
+    p.add_argument("--tool-call-grammar", action=argparse.BooleanOptionalAction, default=d.tool_call_grammar,
+                   help="under tool_choice auto, hold every tool call the model opens to the offered tools' names "
+                   "and schemas (a lazy grammar: the text before stays free)")  # fmt: skip
     p.add_argument("--light-thinking-budget", type=int, default=d.light_thinking_budget,
                    help="reasoning tokens before light thinking is made to answer")  # fmt: skip
     p.add_argument("--stream-interval", type=int, default=d.stream_interval,
@@ -160,7 +163,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         retry_backoff_ms=a.retry_backoff_ms, stats_interval_s=a.stats_interval,
         discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,
         thinking_policy=a.thinking_policy, light_thinking_budget=a.light_thinking_budget,
-        stream_interval=a.stream_interval,
+        stream_interval=a.stream_interval, tool_call_grammar=a.tool_call_grammar,
         tls=dataclasses.replace(tls_from_args(a), require_client_cert=a.tls_require_client_cert),
         internal_token=internal_token_from_args(a),
         http_tls=TlsConfig(a.http_tls_cert, a.http_tls_key),

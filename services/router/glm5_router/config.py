@@ -93,6 +93,9 @@ class RouterConfig:
     # payloads and output
     sm4_key_dir: str | None = None
     thinking_policy: ThinkingPolicy = "auto"
+    # tool_choice auto: every tool call the model opens is held to the offered tools' names and schemas by a
+    # lazy grammar (text stays free); off: calls are only parsed and checked afterwards
+    tool_call_grammar: bool = True
     light_thinking_budget: int = 256
     reasoning_cache_entries: int = 500  # per session; the oldest 20% go when full
     # tokens per streamed message for requests that do not set stream_interval (0: a message per engine step);

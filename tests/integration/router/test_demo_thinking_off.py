@@ -5,6 +5,7 @@ answer is 52."` for 12 + 30, and the README's curl body got `</think>` in its co
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,3 +71,25 @@ def test_no_tool_call_markup_reaches_the_content(client: openai.OpenAI) -> None:
                                                tools=[ADD], temperature=0)  # type: ignore[list-item]  # fmt: skip
         content = reply.choices[0].message.content or ""
         assert not any(tag in content for tag in ("<arg_", "</arg_", "tool_call>", "think>")), (question, content)
+
+
+def test_tool_calls_follow_the_offered_schema_whatever_its_names(client: openai.OpenAI) -> None:
+    """tool_choice auto holds each call to the offered tools (the router's lazy tool-call grammar): tools named
+    and written as the demo model never saw get calls with their own names and keys, in both formats."""
+    lhs_rhs = {"type": "object", "properties": {"lhs": {"type": "integer"}, "rhs": {"type": "integer"}},
+               "required": ["lhs", "rhs"]}  # fmt: skip
+    tools: Any = [
+        {"type": "function", "function": {"name": "sum", "parameters": lhs_rhs}},
+        {"type": "function", "function": {"name": "product", "description": "Multiply one value by another one.",
+                                          "parameters": lhs_rhs}},
+    ]  # fmt: skip
+    for a, op, b, name in ((12, "+", 30, "sum"), (7, "*", 6, "product")):
+        question = f"What is {a} {op} {b}?"
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                               tools=tools, temperature=0)  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == name  # type: ignore[union-attr]
+        assert json.loads(call.function.arguments) == {"lhs": a, "rhs": b}  # type: ignore[union-attr]
+        assert not (choice.message.model_extra or {}).get("tool_call_errors")

@@ -196,6 +196,62 @@ def test_tool_choice_grammar_only_admits_calls_the_registry_accepts() -> None:
         registry.call_grammar("nope", ids)  # type: ignore[arg-type]
 
 
+def test_lazy_tool_call_grammar_leaves_text_free_and_holds_every_call() -> None:
+    """tool_choice auto's grammar (call_grammar(lazy=True)): any text, or none, may end the answer; once the
+    model opens a call, only the offered names, their parameters in order and valid values can follow; a
+    random walk from each text ends in calls the registry accepts."""
+    import random
+    from pathlib import Path
+
+    import llguidance
+    import numpy as np
+    from glm5.parsing.tools import TAGS
+    from glm5.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer(Path(__file__).parents[3] / "common/glm5/assets/glm5-tiny-addition")
+    lltok = llguidance.LLTokenizer(tok.files[0].decode(), n_vocab=tok.vocab_size, eos_token=tok.eos_token_ids())
+    registry = ToolRegistry.from_openai([
+        {"type": "function", "function": {"name": "add", "parameters": {
+            "type": "object", "properties": {"lhs": {"type": "integer"}, "rhs": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "lookup", "parameters": {
+            "type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"]}}},
+    ])  # fmt: skip
+    ids = {t: i for t in TAGS if (i := tok.token_id(t)) is not None}
+    grammar = llguidance.LLMatcher.grammar_from_lark(registry.call_grammar(None, ids, lazy=True))
+    assert llguidance.LLMatcher.validate_grammar(grammar, lltok) == ""
+
+    def allowed(m: llguidance.LLMatcher) -> list[int]:
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+        return np.flatnonzero(bits[: tok.vocab_size]).tolist()
+
+    eos = set(tok.eos_token_ids())
+    for text in ("", "The answer is **42**.", "Let me check.\n"):
+        m = llguidance.LLMatcher(lltok, grammar)
+        for t in tok.encode(text):
+            assert m.consume_token(t)
+        assert eos & set(allowed(m)), text  # the answer may end here, without a call
+        assert m.consume_token(ids["<tool_call>"])
+        assert {tok.decode([t]) for t in allowed(m)} <= {"a", "ad", "add", "l", "lo", "loo", "look", "looku", "lookup"}
+        rng, out = random.Random(len(text)), [ids["<tool_call>"]]
+        while len(out) < 200:
+            token = rng.choice(allowed(m))
+            if token in eos:
+                break
+            assert m.consume_token(token)
+            out.append(token)
+        body = tok.decode(out)
+        assert body.startswith("<tool_call>") and body.endswith("</tool_call>"), body
+        for raw in body.removeprefix("<tool_call>").removesuffix("</tool_call>").split("</tool_call><tool_call>"):
+            assert isinstance(registry.resolve(raw), ToolCall), body
+    # a wrong key is refused at once: the call's keys come from the schema
+    m = llguidance.LLMatcher(lltok, grammar)
+    for t in [ids["<tool_call>"], *tok.encode("add"), ids["<arg_key>"]]:
+        assert m.consume_token(t)
+    assert tok.encode("a")[0] not in allowed(m) and tok.encode("l")[0] in allowed(m)
+    with pytest.raises(ValueError, match="lazy"):
+        registry.call_grammar("add", ids, lazy=True)
+
+
 LONE = " + 30 + 30 = 52</think>The answer is 52."  # the demo model after a prompt that closed its think block
 
 

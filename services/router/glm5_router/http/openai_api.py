@@ -132,11 +132,45 @@ def _completion_logprobs(
     }
 
 
+class GrammarCheck:
+    """Whether a grammar compiles against the served tokenizer (llguidance, as the worker compiles it), so the
+    router attaches only grammars the worker accepts; the answers for the last `capacity` grammars are kept
+    (agents resend the same tools every turn)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._capacity = capacity
+        self._source: Tokenizer | None = None
+        self._tokenizer: Any = None
+        self._answers: dict[str, str] = {}
+
+    def check(self, grammar: str, tok: Tokenizer) -> str:
+        """'' when `grammar` compiles against `tok`, else llguidance's error."""
+        import llguidance
+
+        if tok is not self._source:  # built on first use (most requests offer no tools), again for a new one
+            self._source, self._answers = tok, {}
+            self._tokenizer = llguidance.LLTokenizer(tok.files[0].decode(), n_vocab=tok.vocab_size,
+                                                     eos_token=tok.eos_token_ids())  # fmt: skip
+        if grammar in self._answers:
+            self._answers[grammar] = self._answers.pop(grammar)  # most recently used last
+            return self._answers[grammar]
+        try:
+            error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar),
+                                                          self._tokenizer) or ""  # fmt: skip
+        except ValueError as exc:
+            error = str(exc)
+        if len(self._answers) >= self._capacity:
+            del self._answers[next(iter(self._answers))]
+        self._answers[grammar] = error.strip()
+        return self._answers[grammar]
+
+
 class OpenAIServer:
     def __init__(self, frontend: Frontend, api_keys: Sequence[Secret] = (), sealed_only: bool = False,
                  limits: fields.Limits | None = None, max_body: int = MAX_BODY, public_metrics: bool = False,
                  public_health_details: bool = False, body_timeout_s: float = 30.0) -> None:  # fmt: skip
         self.frontend = frontend
+        self._grammars = GrammarCheck()
         self.body_timeout_s = body_timeout_s
         self.public_metrics, self.public_health_details = public_metrics, public_health_details
         self.api_keys, self.sealed_only, self.limits, self.max_body = (
@@ -385,6 +419,28 @@ class OpenAIServer:
             raise ApiError(400, f"tool_choice: {exc}", "invalid_request_error", "tool_choice") from None
         base.sampling.structured_output.lark_grammar = grammar
 
+    def _constrain_tool_calls(self, tools: list[Any], base: worker_pb2.GenerateRequest) -> None:
+        """tool_choice auto (RouterConfig.tool_call_grammar): a lazy grammar holds every call the model opens
+        to the tools' names and schemas. Nothing changes where it cannot apply: another output format, a
+        tokenizer without tool-call tokens, tools the request's own checks refuse (their error comes from
+        there), or schemas llguidance cannot compile (the calls are then parsed and checked as without it)."""
+        if base.sampling.HasField("structured_output"):
+            return
+        tok = self.frontend.tokenizer
+        ids = {t: tok.token_id(t) for t in TOOL_TAGS}
+        known = {t: i for t, i in ids.items() if i is not None}
+        if len(known) < len(ids):
+            return
+        try:
+            grammar = ToolRegistry.from_openai(tools).call_grammar(None, known, lazy=True)
+        except ValueError:
+            return
+        error = self._grammars.check(grammar, tok)
+        if error:
+            log.info("tool_choice auto: the tools' grammar does not compile, calls are not constrained: %s", error)
+            return
+        base.sampling.structured_output.lark_grammar = grammar
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         base = fields.sampling(body, self.limits)
@@ -404,6 +460,8 @@ class OpenAIServer:
         inp.tools = tools if choice_mode != "none" else None
         if choice_mode not in ("auto", "none"):
             self._force_tool_call(choice_mode, tools, base)
+        elif choice_mode == "auto" and tools and self.frontend.config.tool_call_grammar:
+            self._constrain_tool_calls(tools, base)
         built = [await self.frontend.build_async(x) for x in self._fan_out(inp, n)]
         streams = [
             self.frontend.stream(job, in_reasoning, registry, inp.session_id, operation="chat")
