@@ -127,9 +127,8 @@ def plan(recipe: Recipe, shapes: dict[str, tuple[int, ...]], config: ModelConfig
         if not name.endswith(".weight") or len(shape) != 2:
             continue
         module = name.removesuffix(".weight")
-        layer = module.split(".")[2] if module.startswith("model.layers.") else None
-        if layer is not None and int(layer) >= config.num_hidden_layers:
-            continue  # multi-token-prediction layers: copied as they are (the worker skips them)
+        # multi-token-prediction layers' blocks are quantized like the decoder layers' (GLM-5-FP8 stores them so;
+        # the loader reads them by the same names); their eh_proj and norms stay as stored
         fmt = recipe.format_of(module)
         if fmt is None:
             continue

@@ -241,3 +241,41 @@ def test_mtp_layer_under_tensor_parallelism_matches_one_device(
             single.config.hidden_size,
             2 * single.config.hidden_size,
         )
+
+
+def test_block_fp8_mtp_layer_matches_transformers_on_the_dequantized_weights(
+    checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """`glm5 quantize` quantizes the MTP layer's block as GLM-5-FP8 stores it (16 x 16 blocks here, partial along
+    hidden 72 and experts 40); the served draft equals transformers' on the weights dequantized longhand."""
+    from dataclasses import replace
+
+    from glm5.quantize.quantizer import quantize_checkpoint
+    from glm5.quantize.recipe import load_recipe
+
+    from tests.unit.model.test_fp8 import dequant_blocks
+
+    path, _ = checkpoint
+    fp8 = tmp_path / "fp8"
+    quantize_checkpoint(path, fp8, replace(load_recipe("fp8-block", None), block_size=(16, 16)), progress=False,
+                        log=lambda _: None)  # fmt: skip
+    stored = load_file(fp8 / "model.safetensors")
+    prefix = f"model.layers.{MAIN_LAYERS}."
+    quantized = [n for n, t in stored.items() if n.startswith(prefix) and t.dtype == torch.float8_e4m3fn]
+    assert any(".mlp.experts." in n for n in quantized) and any(".self_attn." in n for n in quantized)
+    assert stored[prefix + "eh_proj.weight"].dtype == torch.float32
+    floats = {n: t for n, t in stored.items() if not n.endswith("_scale_inv")}
+    for n, t in stored.items():
+        if t.dtype == torch.float8_e4m3fn:  # the decoder layers' too
+            floats[n] = dequant_blocks(t, stored[n + "_scale_inv"], (16, 16))
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    (dequantized / "config.json").write_text((path / "config.json").read_text())
+    save_file(floats, dequantized / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, TINY["vocab_size"], (SEQ,), generator=torch.Generator().manual_seed(6))
+    ref = _oracle(dequantized, floats, ids, tmp_path / "block")
+    ours = load_model(fp8, mtp="require")
+    runner = SimpleRunner(ours, SEQ)
+    hidden = runner.prefill_hidden(ids)
+    got = torch.log_softmax(runner.mtp(ids[1:], hidden[:-1], 0), dim=-1)
+    assert (got - ref).abs().max().item() <= 1e-4
