@@ -92,8 +92,10 @@ def tool_call_format(tok: Tokenizer, p: Problem) -> OutputFormat | None:
         return None
     ids = {t: i for t in TOOL_TAGS if (i := tok.token_id(t)) is not None}
     grammar = ToolRegistry.from_openai(list(p.tools)).call_grammar(None, ids, lazy=True)
-    think = {"think_open": tok.token_id(THINK_OPEN), "think_close": tok.token_id(THINK_CLOSE)} if p.thinking else {}
-    return OutputFormat("lark_grammar", grammar, **think)
+    if not p.thinking:
+        return OutputFormat("lark_grammar", grammar)
+    return OutputFormat("lark_grammar", grammar, think_open=tok.token_id(THINK_OPEN),
+                        think_close=tok.token_id(THINK_CLOSE))  # fmt: skip
 
 
 def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_new_tokens: int = 48,
