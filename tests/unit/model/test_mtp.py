@@ -21,7 +21,7 @@ from glm5.model.loader import load_model
 from glm5.parallel import TensorParallel
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.oracle import TINY, SimpleRunner
+from tests.helpers.oracle import TINY, SimpleRunner, hf_checkpoint
 from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.oracle
@@ -41,24 +41,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     """A transformers model with N + 1 layers saved as an N-layer checkpoint whose layer N is an MTP layer (its
     decoder block is transformers' layer N; enorm, hnorm, eh_proj and shared_head.norm random; a garbage copy
     of the embeddings, which must not be read)."""
-    from transformers import GlmMoeDsaConfig
-    from transformers import GlmMoeDsaForCausalLM as HF
-
     path = tmp_path_factory.mktemp("mtp")
-    torch.manual_seed(3)
     n = MAIN_LAYERS
     layers = {"num_hidden_layers": n + 1, "mlp_layer_types": ["dense"] + ["sparse"] * n,
               "indexer_types": ["full"] * (n + 1)}  # fmt: skip
-    cfg = GlmMoeDsaConfig(**{**TINY, **SHAPES, **layers})
-    hf = HF(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.1)
-        for m in hf.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(0, 0.1)
-    hf.save_pretrained(path)
+    cfg = hf_checkpoint(path, seed=3, **SHAPES, **layers).config
     tensors = load_file(path / "model.safetensors")
     h = cfg.hidden_size
     g = torch.Generator().manual_seed(4)

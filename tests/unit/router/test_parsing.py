@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from glm5.parsing.reasoning import ReasoningParser
 from glm5.parsing.tools import ShellPolicy, ToolCall, ToolCallError, ToolCallParser, ToolRegistry
@@ -153,14 +155,41 @@ def test_a_merged_response_splits_into_its_tokens() -> None:
     assert per_token(tok, lagging) == [lagging]
 
 
+def _allowed(matcher: Any, vocab_size: int) -> list[int]:
+    """The tokens an llguidance matcher allows next."""
+    import numpy as np
+
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+    return list(np.flatnonzero(bits[:vocab_size]).tolist())
+
+
+def _walk_calls(matcher: Any, tok: Any, registry: ToolRegistry, seed: int, prefix: list[int]) -> list[ToolCall]:
+    """A random walk through the matcher's masks until an end token (allowed once the calls are complete: the
+    engine stops there) or 200 tokens; the text (after `prefix`, already consumed) must be calls the registry
+    accepts, which are returned."""
+    import random
+
+    rng, out = random.Random(seed), list(prefix)
+    while not matcher.is_stopped() and len(out) < 200:
+        token = rng.choice(_allowed(matcher, tok.vocab_size))
+        if token in tok.eos_token_ids():
+            break
+        assert matcher.consume_token(token)
+        out.append(token)
+    text = tok.decode(out)
+    assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+    bodies = text.removeprefix("<tool_call>").removesuffix("</tool_call>").split("</tool_call><tool_call>")
+    calls = [registry.resolve(raw) for raw in bodies]
+    assert all(isinstance(c, ToolCall) for c in calls), (text, calls)
+    return [c for c in calls if isinstance(c, ToolCall)]
+
+
 def test_tool_choice_grammar_only_admits_calls_the_registry_accepts() -> None:
     """Random walks through the tool_choice grammar's token masks (llguidance, the demo model's tokenizer) end
     in calls that resolve to valid ToolCalls: the grammar and the parser agree on the format and the types."""
-    import random
     from pathlib import Path
 
     import llguidance
-    import numpy as np
     from glm5.parsing.tools import TAGS
     from glm5.tokenizer.tokenizer import Tokenizer
 
@@ -178,20 +207,8 @@ def test_tool_choice_grammar_only_admits_calls_the_registry_accepts() -> None:
         grammar = llguidance.LLMatcher.grammar_from_lark(registry.call_grammar(name, ids))  # type: ignore[arg-type]
         assert llguidance.LLMatcher.validate_grammar(grammar, lltok) == ""
         for seed in range(8):
-            rng, matcher, out = random.Random(seed), llguidance.LLMatcher(lltok, grammar), []
-            while not matcher.is_stopped() and len(out) < 200:
-                bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
-                token = rng.choice(np.flatnonzero(bits[: tok.vocab_size]).tolist())
-                if token in tok.eos_token_ids():  # allowed once the calls are complete: the engine stops there
-                    break
-                assert matcher.consume_token(token)
-                out.append(token)
-            text = tok.decode(out)
-            assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
-            for raw in text.removeprefix("<tool_call>").removesuffix("</tool_call>").split("</tool_call><tool_call>"):
-                call = registry.resolve(raw)
-                assert isinstance(call, ToolCall), (text, call)
-                assert name is None or call.name == name
+            calls = _walk_calls(llguidance.LLMatcher(lltok, grammar), tok, registry, seed, [])
+            assert name is None or all(c.name == name for c in calls)
     with pytest.raises(ValueError, match="no tool named"):
         registry.call_grammar("nope", ids)  # type: ignore[arg-type]
 
@@ -200,11 +217,9 @@ def test_lazy_tool_call_grammar_leaves_text_free_and_holds_every_call() -> None:
     """tool_choice auto's grammar (call_grammar(lazy=True)): any text, or none, may end the answer; once the
     model opens a call, only the offered names, their parameters in order and valid values can follow; a
     random walk from each text ends in calls the registry accepts."""
-    import random
     from pathlib import Path
 
     import llguidance
-    import numpy as np
     from glm5.parsing.tools import TAGS
     from glm5.tokenizer.tokenizer import Tokenizer
 
@@ -221,8 +236,7 @@ def test_lazy_tool_call_grammar_leaves_text_free_and_holds_every_call() -> None:
     assert llguidance.LLMatcher.validate_grammar(grammar, lltok) == ""
 
     def allowed(m: llguidance.LLMatcher) -> list[int]:
-        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
-        return np.flatnonzero(bits[: tok.vocab_size]).tolist()
+        return _allowed(m, tok.vocab_size)
 
     eos = set(tok.eos_token_ids())
     for text in ("", "The answer is **42**.", "Let me check.\n"):
@@ -232,17 +246,7 @@ def test_lazy_tool_call_grammar_leaves_text_free_and_holds_every_call() -> None:
         assert eos & set(allowed(m)), text  # the answer may end here, without a call
         assert m.consume_token(ids["<tool_call>"])
         assert {tok.decode([t]) for t in allowed(m)} <= {"a", "ad", "add", "l", "lo", "loo", "look", "looku", "lookup"}
-        rng, out = random.Random(len(text)), [ids["<tool_call>"]]
-        while len(out) < 200:
-            token = rng.choice(allowed(m))
-            if token in eos:
-                break
-            assert m.consume_token(token)
-            out.append(token)
-        body = tok.decode(out)
-        assert body.startswith("<tool_call>") and body.endswith("</tool_call>"), body
-        for raw in body.removeprefix("<tool_call>").removesuffix("</tool_call>").split("</tool_call><tool_call>"):
-            assert isinstance(registry.resolve(raw), ToolCall), body
+        assert _walk_calls(m, tok, registry, len(text), [ids["<tool_call>"]])
     # a wrong key is refused at once: the call's keys come from the schema
     m = llguidance.LLMatcher(lltok, grammar)
     for t in [ids["<tool_call>"], *tok.encode("add"), ids["<arg_key>"]]:
