@@ -24,8 +24,7 @@ from typing import Any
 
 from glm5.errors import ConfigError
 from glm5.parsing.reasoning import THINK_CLOSE, THINK_OPEN
-from glm5.parsing.tools import TAGS as TOOL_TAGS
-from glm5.parsing.tools import ToolRegistry
+from glm5.parsing.tools import ToolRegistry, tag_ids
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5_trainer.environment import (
     Outcome,
@@ -90,7 +89,9 @@ def tool_call_format(tok: Tokenizer, p: Problem) -> OutputFormat | None:
     (RouterConfig.tool_call_grammar): the lazy tool-call grammar, thinking before it free when it is on."""
     if not p.tools:
         return None
-    ids = {t: i for t in TOOL_TAGS if (i := tok.token_id(t)) is not None}
+    ids = tag_ids(tok.token_id)
+    if ids is None:
+        raise ValueError("this tokenizer has no tool-call tokens")
     grammar = ToolRegistry.from_openai(list(p.tools)).call_grammar(None, ids, lazy=True)
     if not p.thinking:
         return OutputFormat("lark_grammar", grammar)

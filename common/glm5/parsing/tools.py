@@ -14,6 +14,7 @@ import json
 import re
 import shlex
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,12 @@ def _argv_command(argv: list[str]) -> str:
     if len(argv) >= 3 and argv[0].rsplit("/", 1)[-1] in SHELLS and argv[1] == "-c":
         return argv[2]
     return shlex.join(argv)
+
+
+def tag_ids(token_id: Callable[[str], int | None]) -> dict[str, int] | None:
+    """The tool-call tags' token ids (special tokens) by a tokenizer's `token_id`; None when it lacks one."""
+    ids = {t: token_id(t) for t in TAGS}
+    return {t: i for t, i in ids.items() if i is not None} if all(i is not None for i in ids.values()) else None
 
 
 @dataclass

@@ -35,6 +35,13 @@ STRUCTURAL = {"<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
 AFFINITY_PREFIX_TOKENS = 64
 LONE_CLOSE_STREAM_HOLD = 64  # characters of a streamed non-thinking answer held to see a lone </think> (docs/router.md)
 INLINE_CHARS = 32 << 10  # inputs up to this size are tokenised on the event loop (well under a millisecond)
+
+
+def tools_chars(tools: list[Any] | None) -> int:
+    """The size of a request's tool definitions as JSON (they came as JSON, so they serialise)."""
+    return len(json.dumps(tools)) if tools else 0
+
+
 # request and session ids are ids, not payloads: they travel in log lines, Redis keys and the reasoning store
 MAX_ID_CHARS = 256
 # OpenAI's roles -> the chat template's: `developer` is OpenAI's current name for system, `function` the
@@ -157,7 +164,8 @@ class Frontend:
     async def build_async(self, inp: GenerateInput) -> tuple[Job, bool, ToolRegistry | None]:
         """build(), on a thread when the input is large: tokenising it must not hold up other requests (the
         tokenizer releases the GIL while it works, see Tokenizer.encode_bounded)."""
-        if self.input_chars(inp) > INLINE_CHARS:
+        if self.input_chars(inp) > INLINE_CHARS or tools_chars(inp.tools) > INLINE_CHARS:
+            # checking large tool schemas takes as long (jsonschema: ~19 s for 2.5 MB of them, measured)
             return await asyncio.to_thread(self.build, inp)
         return self.build(inp)
 

@@ -316,3 +316,25 @@ def test_tool_markup_outside_a_call_is_a_refused_call_never_content(chunked: boo
     content, results = _calls(["Sure. <tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"], None)
     assert content == "Sure. " and [r.reason for r in results if isinstance(r, ToolCallError)] == ["unknown_tool"]
     assert _calls(["plain < text <b>bold</b>"], [ADD]) == ("plain < text <b>bold</b>", [])
+
+
+def test_the_routers_grammar_check_keeps_digests_and_short_errors_within_its_capacity() -> None:
+    """glm5_router.http.openai_api.GrammarCheck: a grammar that does not compile gets llguidance's error (cut
+    to 300 characters), answers are cached by digest, never the grammar text, and at most `capacity` of them."""
+    from pathlib import Path
+
+    from glm5.tokenizer.tokenizer import Tokenizer
+    from glm5_router.http.openai_api import GrammarCheck
+
+    tok = Tokenizer(Path(__file__).parents[3] / "common/glm5/assets/glm5-tiny-addition")
+    check = GrammarCheck(capacity=3)
+    good = 'start: "a"'
+    assert check.check(good, tok) == ""
+    bad = "start: nowhere\n" + "x" * 10_000
+    error = check.check(bad, tok)
+    assert error and len(error) <= 300
+    for i in range(5):
+        assert check.check(f'start: "{i}"', tok) == ""
+    answers = check._answers
+    assert len(answers) == 3 and all(isinstance(k, bytes) and len(k) == 32 for k in answers)
+    assert all(len(v) <= 300 for v in answers.values())

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -27,13 +29,12 @@ import yaml
 from aiohttp import web
 from glm5.errors import UnavailableError
 from glm5.parsing.reasoning import THINK_CLOSE, THINK_OPEN
-from glm5.parsing.tools import TAGS as TOOL_TAGS
-from glm5.parsing.tools import ToolCall, ToolCallError, ToolRegistry
+from glm5.parsing.tools import ToolCall, ToolCallError, ToolRegistry, tag_ids
 from glm5.security import Secret
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, worker_pb2
 
-from glm5_router.frontend import INLINE_CHARS, Delta, Frontend, GenerateInput, check_id
+from glm5_router.frontend import INLINE_CHARS, Delta, Frontend, GenerateInput, check_id, tools_chars
 from glm5_router.http import params as fields
 from glm5_router.http.errors import (
     AUTHENTICATED,
@@ -141,28 +142,33 @@ class GrammarCheck:
         self._capacity = capacity
         self._source: Tokenizer | None = None
         self._tokenizer: Any = None
-        self._answers: dict[str, str] = {}
+        # by the grammar's digest (a grammar can be megabytes), the error cut short: the cache stays small
+        self._answers: dict[bytes, str] = {}
+        self._lock = threading.Lock()  # checks run on threads (OpenAIServer._constrain_tool_calls)
 
     def check(self, grammar: str, tok: Tokenizer) -> str:
-        """'' when `grammar` compiles against `tok`, else llguidance's error."""
+        """'' when `grammar` compiles against `tok`, else llguidance's error (up to 300 characters). Takes up to
+        about a second for large schemas: call it off the event loop."""
         import llguidance
 
-        if tok is not self._source:  # built on first use (most requests offer no tools), again for a new one
-            self._source, self._answers = tok, {}
-            self._tokenizer = llguidance.LLTokenizer(tok.files[0].decode(), n_vocab=tok.vocab_size,
-                                                     eos_token=tok.eos_token_ids())  # fmt: skip
-        if grammar in self._answers:
-            self._answers[grammar] = self._answers.pop(grammar)  # most recently used last
-            return self._answers[grammar]
-        try:
-            error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar),
-                                                          self._tokenizer) or ""  # fmt: skip
-        except ValueError as exc:
-            error = str(exc)
-        if len(self._answers) >= self._capacity:
-            del self._answers[next(iter(self._answers))]
-        self._answers[grammar] = error.strip()
-        return self._answers[grammar]
+        key = hashlib.sha256(grammar.encode()).digest()
+        with self._lock:
+            if tok is not self._source:  # built on first use (most requests offer no tools), again for a new one
+                self._source, self._answers = tok, {}
+                self._tokenizer = llguidance.LLTokenizer(tok.files[0].decode(), n_vocab=tok.vocab_size,
+                                                         eos_token=tok.eos_token_ids())  # fmt: skip
+            if key in self._answers:
+                self._answers[key] = self._answers.pop(key)  # most recently used last
+                return self._answers[key]
+            try:
+                error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar),
+                                                              self._tokenizer) or ""  # fmt: skip
+            except ValueError as exc:
+                error = str(exc)
+            if len(self._answers) >= self._capacity:
+                del self._answers[next(iter(self._answers))]
+            self._answers[key] = error.strip()[:300]
+            return self._answers[key]
 
 
 class OpenAIServer:
@@ -391,7 +397,15 @@ class OpenAIServer:
 
     # -- /v1/chat/completions -------------------------------------------------------------------------
 
-    def _force_tool_call(self, choice: Any, tools: list[Any] | None, base: worker_pb2.GenerateRequest) -> None:
+    @staticmethod
+    async def _registry(tools: list[Any]) -> ToolRegistry:
+        """ToolRegistry.from_openai, on a thread when the schemas are large (jsonschema took ~19 s to check 2.5 MB
+        of them, which the body limit allows): one request's tools must not hold up the others."""
+        if tools_chars(tools) > INLINE_CHARS:
+            return await asyncio.to_thread(ToolRegistry.from_openai, tools)
+        return ToolRegistry.from_openai(tools)
+
+    async def _force_tool_call(self, choice: Any, tools: list[Any] | None, base: worker_pb2.GenerateRequest) -> None:
         """tool_choice "required" (one or more calls) or {"type": "function", "function": {"name": N}} (one call
         to N): a grammar of the model's tool-call format holds the answer to it (structured output)."""
         function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
@@ -404,38 +418,35 @@ class OpenAIServer:
         if base.sampling.HasField("structured_output"):
             raise ApiError(400, "tool_choice: cannot be combined with another output format",
                            "invalid_request_error", "tool_choice")  # fmt: skip
-        tok = self.frontend.tokenizer
-        ids = {t: tok.token_id(t) for t in TOOL_TAGS}
-        if any(i is None for i in ids.values()):
+        ids = tag_ids(self.frontend.tokenizer.token_id)
+        if ids is None:
             raise ApiError(400, "tool_choice: this model's tokenizer has no tool-call tokens",
                            "invalid_request_error", "tool_choice")  # fmt: skip
         try:
-            registry = ToolRegistry.from_openai(tools)
+            registry = await self._registry(tools)
         except ValueError as exc:
             raise ApiError(400, str(exc), "invalid_request_error", "tools") from None
         try:
-            grammar = registry.call_grammar(name, {t: i for t, i in ids.items() if i is not None})
+            grammar = registry.call_grammar(name, ids)
         except ValueError as exc:
             raise ApiError(400, f"tool_choice: {exc}", "invalid_request_error", "tool_choice") from None
         base.sampling.structured_output.lark_grammar = grammar
 
-    def _constrain_tool_calls(self, tools: list[Any], base: worker_pb2.GenerateRequest) -> None:
+    async def _constrain_tool_calls(self, tools: list[Any], base: worker_pb2.GenerateRequest) -> None:
         """tool_choice auto (RouterConfig.tool_call_grammar): a lazy grammar holds every call the model opens
         to the tools' names and schemas. Nothing changes where it cannot apply: another output format, a
         tokenizer without tool-call tokens, tools the request's own checks refuse (their error comes from
-        there), or schemas llguidance cannot compile (the calls are then parsed and checked as without it)."""
-        if base.sampling.HasField("structured_output"):
-            return
+        there), or schemas llguidance cannot compile (the calls are then parsed and checked as without it).
+        The compile check runs on a thread."""
         tok = self.frontend.tokenizer
-        ids = {t: tok.token_id(t) for t in TOOL_TAGS}
-        known = {t: i for t, i in ids.items() if i is not None}
-        if len(known) < len(ids):
+        ids = tag_ids(tok.token_id)
+        if base.sampling.HasField("structured_output") or ids is None:
             return
         try:
-            grammar = ToolRegistry.from_openai(tools).call_grammar(None, known, lazy=True)
+            grammar = (await self._registry(tools)).call_grammar(None, ids, lazy=True)
         except ValueError:
             return
-        error = self._grammars.check(grammar, tok)
+        error = await asyncio.to_thread(self._grammars.check, grammar, tok)
         if error:
             log.info("tool_choice auto: the tools' grammar does not compile, calls are not constrained: %s", error)
             return
@@ -459,9 +470,9 @@ class OpenAIServer:
         choice_mode = body.get("tool_choice", "auto")
         inp.tools = tools if choice_mode != "none" else None
         if choice_mode not in ("auto", "none"):
-            self._force_tool_call(choice_mode, tools, base)
+            await self._force_tool_call(choice_mode, tools, base)
         elif choice_mode == "auto" and tools and self.frontend.config.tool_call_grammar:
-            self._constrain_tool_calls(tools, base)
+            await self._constrain_tool_calls(tools, base)
         built = [await self.frontend.build_async(x) for x in self._fan_out(inp, n)]
         streams = [
             self.frontend.stream(job, in_reasoning, registry, inp.session_id, operation="chat")
