@@ -43,6 +43,33 @@ def hf_checkpoint(path: Path, seed: int = 0, **overrides: Any) -> torch.nn.Modul
     return hf
 
 
+def mtp_checkpoint(path: Path, layers: int, seed: int = 0, **overrides: Any) -> dict[str, torch.Tensor]:
+    """A transformers model with `layers` + 1 layers saved as a `layers`-layer checkpoint whose last layer is an
+    MTP layer (its decoder block is transformers' layer `layers`; enorm, hnorm, eh_proj and shared_head.norm
+    random; a garbage copy of the embeddings, which must not be read). Returns the tensors written."""
+    n = layers
+    shape = {"num_hidden_layers": n + 1, "mlp_layer_types": ["dense"] + ["sparse"] * n,
+             "indexer_types": ["full"] * (n + 1)}  # fmt: skip
+    cfg = hf_checkpoint(path, seed=seed, **{**shape, **overrides}).config
+    tensors = load_file(path / "model.safetensors")
+    h = cfg.hidden_size
+    g = torch.Generator().manual_seed(seed + 1)
+    tensors |= {
+        f"model.layers.{n}.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        f"model.layers.{n}.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        f"model.layers.{n}.eh_proj.weight": 0.2 * torch.randn(h, 2 * h, generator=g),
+        f"model.layers.{n}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        f"model.layers.{n}.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g) * 50,
+    }
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config |= {"num_hidden_layers": n, "num_nextn_predict_layers": 1, "indexer_types": ["full"] * n}
+    for key in ("mlp_layer_types", "layer_types"):  # the MTP layer is not one of the decoder layers
+        config[key] = config[key][:n]
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
 class IndexRecorder:
     """Records the top-k indices transformers' indexers return, per layer."""
 

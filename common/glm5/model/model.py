@@ -189,7 +189,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
         """Runs one step and returns logits (M, V) float32 for batch.logits_rows (all rows if all_logits).
         Under tensor parallelism the first rank gets the whole vocabulary; the others their own slice."""
         h = self.hidden_states(batch, cache, kernels, controls)
-        logits: torch.Tensor = self.lm_head(h if all_logits else h[batch.logits_rows]).float()
+        return self.logits(h if all_logits else h[batch.logits_rows])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over hidden states (after the final norm): (M, V) float32, the whole vocabulary on the
+        first rank under tensor parallelism (the others their own slice)."""
+        logits: torch.Tensor = self.lm_head(hidden).float()
         return self.tp.gather_last_dim(logits)
 
     def mtp_forward(

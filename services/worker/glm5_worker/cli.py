@@ -27,6 +27,7 @@ from glm5.serving import add_connection_arguments, connection_limits_from_args
 from glm5.units import parse_bytes
 
 from glm5_worker.config import EngineConfig
+from glm5_worker.engine.speculative import SpeculativeConfig
 from glm5_worker.parallel.driver import threads_per_rank
 from glm5_worker.parallel.follower import run_follower_host
 from glm5_worker.server.app import ServerSecurity, serve_until_signal
@@ -89,6 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "$GLM5_COMPILE_CACHE or ~/.cache/glm5/compile)")  # fmt: skip
     c.add_argument("--compile-budget", type=float, default=d.compile_budget_s,
                    help="seconds start-up may spend compiling; shapes not compiled by then run eagerly")  # fmt: skip
+    p.add_argument("--speculative-config", default="none", metavar="JSON",
+                   help='speculative decoding, vLLM\'s flag and keys: \'{"method": "mtp", "num_speculative_tokens": '
+                   '3}\' drafts with the checkpoint\'s MTP layer, method "ngram" by prompt lookup '
+                   "(prompt_lookup_max/min); disable_by_batch_size turns it off in steps of more decoding "
+                   "sequences; none: off (docs/worker.md)")  # fmt: skip
     p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor,
                    help="on an Ascend NPU a temperature in (0, floor) is raised to it; 0 stays greedy")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="sampler seed of requests without their own")
@@ -164,6 +170,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         master_port=a.master_port,
         collective_timeout_s=a.collective_timeout,
         startup_timeout_s=a.startup_timeout,
+        speculative=SpeculativeConfig.parse(a.speculative_config),
     )
 
 

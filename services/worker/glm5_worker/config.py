@@ -10,6 +10,8 @@ from glm5.errors import ConfigError
 from glm5.kernels import KERNEL_CHOICES
 from glm5.model.config import validate_rope_factor
 
+from glm5_worker.engine.speculative import SpeculativeConfig
+
 DEFAULT_MAX_MODEL_LEN = 131072
 
 
@@ -73,6 +75,8 @@ class EngineConfig:
     master_port: int = 0  # 0: a free port (one host only)
     collective_timeout_s: float = 120.0  # a collective (or the idle heartbeat) that takes longer fails the replica
     startup_timeout_s: float = 1800.0  # ranks wait this long for each other to load their shards
+    # speculative decoding (glm5_worker.engine.speculative): vLLM's --speculative-config; None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
@@ -124,6 +128,9 @@ class EngineConfig:
             raise ConfigError(f"--master-port must be in [0, 65535], got {self.master_port}")
         if self.collective_timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ConfigError("--collective-timeout and --startup-timeout must be > 0 seconds")
+        if self.speculative is not None and n > 1:
+            # the draft passes follow each step's acceptance, which only rank 0 knows: not sent to the ranks yet
+            raise ConfigError("--speculative-config runs on one device only so far (--tensor-parallel-size 1)")
 
     @property
     def is_expert_parallel(self) -> bool:

@@ -59,7 +59,14 @@ class ResolvedConfig:
             max_chunk=c.max_num_batched_tokens,
             l1_tokens=c.l1_tokens if c.kv_int8_tier else 0,
             int8_tier=c.kv_int8_tier,
+            mtp_layers=self.mtp_layers,
         )
+
+    @property
+    def mtp_layers(self) -> int:
+        """MTP layers the worker builds: every one the checkpoint declares when it drafts with them."""
+        spec = self.engine.speculative
+        return self.model.num_nextn_predict_layers if spec is not None and spec.method == "mtp" else 0
 
 
 def resolve(config: EngineConfig) -> ResolvedConfig:
@@ -76,6 +83,10 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     if rope is not None:
         model.rope = rope
     check_divisible(model, config.tensor_parallel_size, config.is_expert_parallel)
+    spec = config.speculative
+    if spec is not None and spec.method == "mtp" and not model.num_nextn_predict_layers:
+        raise ConfigError(f"--speculative-config method mtp: {model_dir} has no multi-token-prediction "
+                          "layers (config.json num_nextn_predict_layers is 0); use method ngram or none")  # fmt: skip
     if config.dense_warmup_tokens > 0 and config.dense_warmup_tokens > model.index_topk:
         log.warning(
             "dense warm-up (%d tokens) exceeds index_topk (%d): early tokens attend more than the model was trained "

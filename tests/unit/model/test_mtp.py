@@ -21,7 +21,7 @@ from glm5.model.loader import load_model
 from glm5.parallel import TensorParallel
 from safetensors.torch import load_file, save_file
 
-from tests.helpers.oracle import TINY, SimpleRunner, hf_checkpoint
+from tests.helpers.oracle import TINY, SimpleRunner, mtp_checkpoint
 from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.oracle
@@ -38,31 +38,8 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A transformers model with N + 1 layers saved as an N-layer checkpoint whose layer N is an MTP layer (its
-    decoder block is transformers' layer N; enorm, hnorm, eh_proj and shared_head.norm random; a garbage copy
-    of the embeddings, which must not be read)."""
     path = tmp_path_factory.mktemp("mtp")
-    n = MAIN_LAYERS
-    layers = {"num_hidden_layers": n + 1, "mlp_layer_types": ["dense"] + ["sparse"] * n,
-              "indexer_types": ["full"] * (n + 1)}  # fmt: skip
-    cfg = hf_checkpoint(path, seed=3, **SHAPES, **layers).config
-    tensors = load_file(path / "model.safetensors")
-    h = cfg.hidden_size
-    g = torch.Generator().manual_seed(4)
-    tensors |= {
-        f"model.layers.{n}.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        f"model.layers.{n}.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        f"model.layers.{n}.eh_proj.weight": 0.2 * torch.randn(h, 2 * h, generator=g),
-        f"model.layers.{n}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
-        f"model.layers.{n}.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g) * 50,
-    }
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config |= {"num_hidden_layers": n, "num_nextn_predict_layers": 1, "indexer_types": ["full"] * n}
-    for key in ("mlp_layer_types", "layer_types"):  # the MTP layer is not one of the decoder layers
-        config[key] = config[key][:n]
-    (path / "config.json").write_text(json.dumps(config))
-    return path, tensors
+    return path, mtp_checkpoint(path, MAIN_LAYERS, seed=3, **SHAPES)
 
 
 def _oracle(path: Path, tensors: dict[str, torch.Tensor], ids: torch.Tensor, block_dir: Path) -> torch.Tensor:

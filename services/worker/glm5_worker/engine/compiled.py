@@ -95,7 +95,7 @@ _OPTIONS: dict[str, Any] = {
 }
 
 
-def _compile(method: types.MethodType, shape: Shape) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def _compile(method: types.MethodType, shape: Shape) -> Callable[..., tuple[torch.Tensor, ...]]:
     """`method` compiled for one shape. Each shape's function has its own copy of the code object: dynamo
     keeps its graphs per code object and checks each one's guards in turn until one passes, ~17 us each on
     the tiny model, so a single cache of four graphs cost a batch-1 step ~70 us of guard checks."""
@@ -130,17 +130,19 @@ class CompiledDecode:
         self.fallbacks = 0  # decode steps that needed a graph not compiled at start-up
         self._fns = {shape: _compile(self._decode, shape) for shape in SHAPES}  # type: ignore[arg-type]
 
-    def _decode(self, rows: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits, and each sparse layer's attention entropy: measured every step (a few hundred products at
-        these batch sizes), so the steps the engine samples it on need no graph of their own. `rows` holds the
-        token ids, positions, KV slots and context lengths (one tensor: building a tensor costs microseconds)."""
+    def _decode(self, rows: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits, each sparse layer's attention entropy, and the last hidden states (an MTP pass drafts from
+        them). The entropy is measured every step (a few hundred products at these batch sizes), so the steps the
+        engine samples it on need no graph of their own. `rows` holds the token ids, positions, KV slots and
+        context lengths (one tensor: building a tensor costs microseconds)."""
         r = self.runner
         assert r.storage is not None
         input_ids, positions, slots, lengths = rows.unbind(0)
         group = DecodeGroup(input_ids.shape[0], tables, lengths, tables.shape[1] * self.block_size)
         batch = ForwardBatch(input_ids, positions, slots, group, [], input_ids, collect_entropy=True)
-        logits: torch.Tensor = r.model(batch, r.storage, r.kernels, r.controls, all_logits=True)
-        return logits, torch.stack([batch.entropy[layer] for layer in self.entropy_layers])
+        hidden = r.model.hidden_states(batch, r.storage, r.kernels, r.controls)
+        logits = r.model.logits(hidden)
+        return logits, torch.stack([batch.entropy[layer] for layer in self.entropy_layers]), hidden
 
     def _shape(self, batch: int, width: int) -> Shape:
         return Shape(single=batch == 1, long=width * self.block_size > self.runner.model.config.index_topk)
@@ -241,9 +243,9 @@ class CompiledDecode:
             tmp.replace(self._record)
 
     # steps ---------------------------------------------------------------------------------------------------
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, float]] | None:
-        """Logits of a decode-only step through its compiled graph, and the attention entropy per layer when the
-        plan asks for it; None when the step must run eagerly."""
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, float], torch.Tensor] | None:
+        """Logits of a decode-only step through its compiled graph, the attention entropy per layer when the
+        plan asks for it, and the rows' last hidden states; None when the step must run eagerly."""
         b = len(plan.decode_tables)
         if plan.prefills or not 1 <= b <= self.max_batch or plan.layer_topk is not None:
             return None
@@ -257,7 +259,7 @@ class CompiledDecode:
         try:
             # never compile while serving: a step that needs a new graph runs eagerly
             with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
-                logits, entropy = self._fns[shape](*args)
+                logits, entropy, hidden = self._fns[shape](*args)
         except (torch._dynamo.exc.RecompileError, RuntimeError) as exc:
             # a frame after a graph break that would recompile raises a plain RuntimeError; the eager rerun
             # writes the same KV rows again, so a step cut short there is safe to repeat
@@ -269,5 +271,5 @@ class CompiledDecode:
             return None
         self.steps += 1
         if not plan.collect_entropy:
-            return logits, {}
-        return logits, dict(zip(self.entropy_layers, entropy.tolist(), strict=True))
+            return logits, {}, hidden
+        return logits, dict(zip(self.entropy_layers, entropy.tolist(), strict=True)), hidden

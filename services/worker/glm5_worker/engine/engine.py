@@ -35,6 +35,7 @@ from glm5_worker.engine.sampler import Sampler
 from glm5_worker.engine.scheduler import ScheduledStep, Scheduler
 from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from glm5_worker.engine.sparsity import SparsityController
+from glm5_worker.engine.speculative import SpecCounters, can_speculate, draft_budget, draft_token, ngram_drafts
 from glm5_worker.engine.structured import Grammars
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
 from glm5_worker.engine.weights import Forwarder, WeightSource
@@ -61,6 +62,7 @@ class EngineStats:
     weight_version: int
     num_preemptions: int
     ranks: list[RankMemory]  # one per rank of the replica
+    speculative: SpecCounters | None = None  # drafted / accepted tokens, when the engine speculates
 
 
 @dataclass(slots=True)
@@ -114,6 +116,12 @@ class Engine:
         self.sampler = Sampler(config.seed, self.device, eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.sampler, eos_token_ids, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.spec = config.speculative
+        if self.spec is not None:
+            self.outputs.spec = SpecCounters(self.spec.num_speculative_tokens)
+            log.info("speculative decoding: %s, up to %d draft tokens a step%s", self.spec.method,
+                     self.spec.num_speculative_tokens, "" if self.spec.disable_by_batch_size is None else
+                     f", off in steps of more than {self.spec.disable_by_batch_size} decoding sequences")  # fmt: skip
         self.sparsity = SparsityController(
             self.model_config.num_hidden_layers,
             self.model_config.index_topk,
@@ -328,7 +336,8 @@ class Engine:
         if sched.empty:
             return []
         start = time.perf_counter()
-        plan, rows = self._plan(sched)
+        plan, rows, starts = self._plan(sched)
+        plan.keep_hidden = self.spec is not None and self.spec.method == "mtp"
         self.num_steps += 1
         plan.collect_entropy = self.num_steps % self.config.entropy_interval == 0
         plan.layer_topk = self.sparsity.layer_topk()
@@ -340,6 +349,8 @@ class Engine:
             self.sparsity.observe(entropy)
         self.outputs.process(sched, logits, rows)
         scheduled = [*sched.decodes, *(s for s, _ in sched.prefills)]
+        if self.spec is not None:
+            self._propose(scheduled, starts, len(sched.decodes))
         copies: list[tuple[int, int]] = []
         for seq in scheduled:
             if not seq.is_finished:
@@ -378,29 +389,36 @@ class Engine:
             demotions, self._pending_demotions = self._pending_demotions, []
             self.replica.tick(demotions)
 
-    def _plan(self, sched: ScheduledStep) -> tuple[StepPlan, dict[int, list[int]]]:
-        """Packs decodes then prefill chunks; `rows` maps id(seq) to its rows in the logits."""
+    def _plan(self, sched: ScheduledStep) -> tuple[StepPlan, dict[int, list[int]], dict[int, tuple[int, int, bool]]]:
+        """Packs decodes then prefill chunks; `rows` maps id(seq) to its rows in the logits, `starts` to its
+        first row in the step, that row's position and whether it decodes. A decoding sequence with drafts has a
+        decode row for its last token and one for each draft, each over the same blocks with its own context
+        length."""
         bs = self.config.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
         rows: dict[int, list[int]] = {}
+        starts: dict[int, tuple[int, int, bool]] = {}
         tables: list[list[int]] = []
         lengths: list[int] = []
         for seq in sched.decodes:
             p = seq.num_computed_tokens
-            ids.append(_token_at(seq, p))
-            positions.append(p)
-            slots.append(self.blocks.slot(seq, p))
-            lengths.append(p + 1)
-            tables.append(seq.block_table)
-            rows[id(seq)] = [len(logit_rows)]
-            logit_rows.append(len(ids) - 1)
+            starts[id(seq)] = (len(ids), p, True)
+            rows[id(seq)] = list(range(len(logit_rows), len(logit_rows) + 1 + len(seq.draft_ids)))
+            for i, token in enumerate([_token_at(seq, p), *seq.draft_ids]):
+                ids.append(token)
+                positions.append(p + i)
+                slots.append(self.blocks.slot(seq, p + i))
+                lengths.append(p + i + 1)
+                tables.append(seq.block_table)
+                logit_rows.append(len(ids) - 1)
         prefills = []
         for seq, n in sched.prefills:
             p0 = seq.num_computed_tokens
             start = len(ids)
+            starts[id(seq)] = (start, p0, False)
             ids.extend(seq.all_token_ids[p0 : p0 + n])
             positions.extend(range(p0, p0 + n))
             slots.extend(self.blocks.slot(seq, p) for p in range(p0, p0 + n))
@@ -410,7 +428,95 @@ class Engine:
                 wanted = [start + n - 1]
             rows[id(seq)] = list(range(len(logit_rows), len(logit_rows) + len(wanted)))
             logit_rows.extend(wanted)
-        return StepPlan(ids, positions, slots, tables, lengths, prefills, logit_rows), rows
+        return StepPlan(ids, positions, slots, tables, lengths, prefills, logit_rows), rows, starts
+
+    # speculative decoding -----------------------------------------------------------------------------------
+    def _propose(self, scheduled: list[Sequence], starts: dict[int, tuple[int, int, bool]], num_decodes: int) -> None:
+        """After a step: the drafts each sequence about to decode verifies in the next one (its draft_ids).
+        With MTP, the MTP layer first runs over every position the step computed (so its KV rows follow every
+        sequence), then drafts recursively."""
+        spec = self.spec
+        assert spec is not None
+        off = spec.disable_by_batch_size is not None and num_decodes > spec.disable_by_batch_size
+        drafters: dict[int, int] = {}  # id(seq) -> drafts it may propose
+        for seq in scheduled:
+            if off or seq.is_finished or seq.num_uncomputed != 1 or not can_speculate(seq):
+                continue
+            j = self._draft_slots(seq, draft_budget(seq, spec.num_speculative_tokens, self.max_model_len))
+            if j:
+                drafters[id(seq)] = j
+        if spec.method == "ngram":
+            for seq in scheduled:
+                j = drafters.get(id(seq), 0)
+                if j:
+                    seq.draft_ids = ngram_drafts(seq.all_token_ids, j, spec.prompt_lookup_max, spec.prompt_lookup_min)
+                    seq.draft_probs = [None] * len(seq.draft_ids)
+        elif not off:
+            self._mtp_drafts([s for s in scheduled if not s.is_finished], starts, drafters)
+
+    def _draft_slots(self, seq: Sequence, j: int) -> int:
+        """Drafts whose verify rows (and MTP rows) have KV slots: blocks for them now, fewer when the pool is
+        short (a draft never preempts anyone)."""
+        while j and not self.blocks.ensure_slots(seq, j + 1):
+            j = min(j - 1, len(seq.block_table) * self.config.block_size - seq.num_computed_tokens - 1)
+        return max(j, 0)
+
+    def _mtp_drafts(self, seqs: list[Sequence], starts: dict[int, tuple[int, int, bool]],
+                    drafters: dict[int, int]) -> None:  # fmt: skip
+        """The MTP pass over the positions the step computed (a decode row for each verified position, a chunk
+        for each prefill chunk; the row for position q carries the token at q + 1 and the target's hidden state
+        at q), then the drafts: the first from the pass, the others from the layer applied to its own output."""
+        hidden = self.runner.hidden
+        assert hidden is not None
+        bs = self.config.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        lengths: list[int] = []
+        take: list[int] = []  # the step's rows whose hidden states the pass reads, in the pass's row order
+        last: dict[int, int] = {}  # id(seq) -> its last row in the pass
+        computed = [(seq, *starts[id(seq)]) for seq in seqs]
+        for seq, row, p0, _ in (c for c in computed if c[3]):  # decode rows first, as in any step
+            for p in range(p0, seq.num_computed_tokens):
+                ids.append(_token_at(seq, p + 1))
+                positions.append(p)
+                slots.append(self.blocks.slot(seq, p))
+                lengths.append(p + 1)
+                tables.append(seq.block_table)
+            take.extend(range(row, row + seq.num_computed_tokens - p0))
+            last[id(seq)] = len(ids) - 1
+        prefills: list[tuple[int, int, int, list[int]]] = []
+        for seq, row, p0, _ in (c for c in computed if not c[3]):
+            end = seq.num_computed_tokens
+            prefills.append((len(ids), end - p0, end, seq.block_table[: -(-end // bs)]))
+            ids.extend(_token_at(seq, p + 1) for p in range(p0, end))
+            positions.extend(range(p0, end))
+            slots.extend(self.blocks.slot(seq, p) for p in range(p0, end))
+            take.extend(range(row, row + end - p0))
+            last[id(seq)] = len(ids) - 1
+        if not ids:
+            return
+        order = [s for s in seqs if id(s) in drafters]
+        plan = StepPlan(ids, positions, slots, tables, lengths, prefills, [last[id(s)] for s in order])
+        logits, out = self.runner.draft(plan, hidden[take], 0)
+        out = out[plan.logits_rows]
+        for i, seq in enumerate(order):
+            token, q = draft_token(logits[i], seq, self.sampler)
+            seq.draft_ids, seq.draft_probs = [token], [q]
+        # one position further each time, the layer's own output standing in for the target's hidden state
+        for step in range(1, max((drafters[id(s)] for s in order), default=0)):
+            keep = [i for i, s in enumerate(order) if drafters[id(s)] > step]
+            order, out = [order[i] for i in keep], out[keep]
+            pos = [s.num_computed_tokens - 1 + step for s in order]
+            plan = StepPlan([s.draft_ids[-1] for s in order], pos, [self.blocks.slot(s, p) for s, p in
+                            zip(order, pos, strict=True)], [s.block_table for s in order], [p + 1 for p in pos], [],
+                            list(range(len(order))))  # fmt: skip
+            logits, out = self.runner.draft(plan, out, step)
+            for i, seq in enumerate(order):
+                token, q = draft_token(logits[i], seq, self.sampler)
+                seq.draft_ids.append(token)
+                seq.draft_probs.append(q)
 
     # introspection ------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -430,6 +536,7 @@ class Engine:
             weight_version=self.weight_version,
             num_preemptions=self.scheduler.num_preemptions,
             ranks=self.replica.stats(mine) if self.replica is not None else [mine],
+            speculative=self.outputs.spec,
         )
 
 

@@ -49,6 +49,7 @@ class StepPlan:
     # L1 -> L2 block copies decided after the previous step; followers apply them before this step (rank 0
     # already has)
     demotions: list[tuple[int, int]] = field(default_factory=list)
+    keep_hidden: bool = False  # keep every row's last hidden state (ModelRunner.hidden) for an MTP pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model: GlmMoeDsaForCausalLM = load_model(
-            rc.model_dir, rc.dtype, self.device, progress=None if tp.is_first else False, rope=rc.model.rope, tp=tp
+            rc.model_dir,
+            rc.dtype,
+            self.device,
+            progress=None if tp.is_first else False,
+            rope=rc.model.rope,
+            tp=tp,
+            mtp="require" if rc.mtp_layers else "skip",
         )  # one progress bar per replica: rank 0's
         self.fused_projections = self.model.fuse_input_projections()
         self.weight_bytes_by_dtype = weight_bytes_by_dtype(self.model)
@@ -90,6 +97,7 @@ class ModelRunner:
         )
         self.storage: PagedKVStorage | None = None
         self.compiled: CompiledDecode | None = None
+        self.hidden: torch.Tensor | None = None  # the last step's hidden states (N, H), when its plan kept them
 
     def _check_placement(self) -> None:
         """Weights meant for an accelerator must be in its memory (a tensor left on the host would make every
@@ -128,7 +136,7 @@ class ModelRunner:
         spec = self.rc.cache
         layout = make_layout(
             spec.model, spec.block_size, plan.num_fp_blocks, plan.num_q_blocks, spec.dtype, self.device,
-            spec.index_dtype,
+            spec.index_dtype, spec.mtp_layers,
         )  # fmt: skip
         self.storage = PagedKVStorage(layout)
         return plan
@@ -189,14 +197,30 @@ class ModelRunner:
         """Runs the step: logits (M, V) on rank 0 (a follower's own vocabulary slice elsewhere), and the
         per-layer attention entropy when the plan asked for it."""
         assert self.storage is not None, "init_kv first"
+        self.hidden = None
         if self.compiled is not None:
             done = self.compiled.run(plan)
             if done is not None:
-                return done
+                logits, entropy, hidden = done
+                self.hidden = hidden if plan.keep_hidden else None
+                return logits, entropy
         batch = self.batch(plan)
         with torch.inference_mode():
-            logits = self.model(batch, self.storage, self.kernels, self.controls)
+            if plan.keep_hidden:
+                self.hidden = self.model.hidden_states(batch, self.storage, self.kernels, self.controls)
+                logits = self.model.logits(self.hidden[batch.logits_rows])
+            else:
+                logits = self.model(batch, self.storage, self.kernels, self.controls)
         return logits, {layer: float(e) for layer, e in batch.entropy.items()}
+
+    def draft(self, plan: StepPlan, hidden: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MTP pass (GlmMoeDsaForCausalLM.mtp_forward): row i of `plan` carries the token after its position
+        and `hidden` (N, H) that position's hidden state. Returns the logits of plan.logits_rows and every row's
+        output (the next recursive pass's hidden states)."""
+        assert self.storage is not None, "init_kv first"
+        batch = self.batch(plan)
+        with torch.inference_mode():
+            return self.model.mtp_forward(batch, hidden, self.storage, self.kernels, self.controls, step)
 
     def demote(self, copies: list[tuple[int, int]]) -> None:
         """Copies L1 blocks into their L2 blocks (INT8), as the block manager decided."""

@@ -12,6 +12,7 @@ from glm5.tokenizer import Tokenizer
 from glm5_worker.engine.sampler import Sampler, token_logprob
 from glm5_worker.engine.scheduler import ScheduledStep
 from glm5_worker.engine.sequence import FinishReason, Sequence, TokenLogprob
+from glm5_worker.engine.speculative import SpecCounters, verify
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +44,22 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.generated_tokens_total = 0
+        self.spec: SpecCounters | None = None  # speculative decoding's counters, when the engine speculates
 
     def process(self, sched: ScheduledStep, logits: torch.Tensor, rows: dict[int, list[int]]) -> None:
         """Advances the step's sequences past the tokens it computed and samples the next token of each
-        sequence whose prompt is done; `rows` maps id(seq) to its rows in `logits`."""
+        sequence whose prompt is done; `rows` maps id(seq) to its rows in `logits`. A decoding sequence with drafts
+        has a row per draft more and may advance by several tokens (glm5_worker.engine.speculative)."""
         to_sample: list[Sequence] = []
         sample_rows: list[int] = []
         for seq in sched.decodes:
+            r = rows[id(seq)]
+            if len(r) > 1:
+                self._verify(seq, logits[r[0] : r[-1] + 1])
+                continue
             seq.num_computed_tokens += 1
             to_sample.append(seq)
-            sample_rows.append(rows[id(seq)][0])
+            sample_rows.append(r[0])
         for seq, n in sched.prefills:
             p0 = seq.num_computed_tokens
             seq.num_computed_tokens += n
@@ -66,6 +73,20 @@ class OutputProcessor:
             picks = self.sampler.sample(logits[sample_rows], to_sample)
             for seq, pick in zip(to_sample, picks, strict=True):
                 self._append_token(seq, pick)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Accepts a prefix of the sequence's drafts and appends it with the target's next token; the positions
+        of the accepted tokens' predecessors are computed (their KV rows hold), the rest are written over later."""
+        drafts, probs = seq.draft_ids, seq.draft_probs
+        seq.draft_ids, seq.draft_probs = [], []
+        picks, accepted = verify(logits, drafts, probs, seq, self.sampler)
+        if self.spec is not None:
+            self.spec.record(len(drafts), accepted)
+        seq.num_computed_tokens += len(picks)
+        for pick in picks:
+            self._append_token(seq, pick)
+            if seq.is_finished:  # EOS, a stop string or the length limit inside the accepted run ends it there
+                break
 
     def _prompt_logprobs(self, seq: Sequence, chunk_logits: torch.Tensor, p0: int) -> None:
         lp = torch.log_softmax(chunk_logits.float(), dim=-1)

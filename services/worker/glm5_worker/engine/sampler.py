@@ -31,7 +31,7 @@ class Sampler:
         if all(greedy):
             tokens = processed.argmax(dim=-1).tolist()
         else:
-            probs = self._filtered_probs(processed, seqs)
+            probs = self.filtered_probs(processed, seqs)
             drawn = self._draw(probs, seqs).tolist()
             argmax = processed.argmax(dim=-1).tolist()
             tokens = [argmax[i] if greedy[i] else drawn[i] for i in range(len(seqs))]
@@ -107,7 +107,8 @@ class Sampler:
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
 
-    def _filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, then top-k and top-p."""
         temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
         logits = logits / temps[:, None]
         top_k = [s.params.top_k for s in seqs]

@@ -52,6 +52,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_ids, seq.draft_probs = [], []
         self.blocks.free(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -62,6 +63,10 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running or seq.num_uncomputed != 1:
                 continue
+            # a sequence with drafts verifies them in this step: one row per draft more (glm5_worker.engine.
+            # speculative); short of blocks, it drops them before anything is preempted
+            if seq.draft_ids and not self.blocks.ensure_slots(seq, 1 + len(seq.draft_ids)):
+                seq.draft_ids, seq.draft_probs = [], []
             while not self.blocks.ensure_slots(seq, 1):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -69,7 +74,7 @@ class Scheduler:
                     break
             else:
                 step.decodes.append(seq)
-                budget -= 1
+                budget -= 1 + len(seq.draft_ids)
         for seq in self.running:
             if budget <= 0:
                 break

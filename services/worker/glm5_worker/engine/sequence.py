@@ -76,6 +76,10 @@ class Sequence:
     matcher: LLMatcher | None = None
     format_phase: Phase = "start"
     format_error: str = ""
+    # speculative decoding: tokens proposed to follow the last one, verified in the next step, and the proposer's
+    # distribution of each (None: one-hot on the token)
+    draft_ids: list[int] = field(default_factory=list)
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
     # filled each step and drained by the engine into a RequestOutput
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -7,8 +7,9 @@ DSA adds one indexer key per token on layers that run their own indexer. Bytes p
     L2:     L * (kv_lora_rank + qk_rope_head_dim) + L_idx * index_head_dim + 2 * (2 * L + L_idx)
             (INT8 values, plus a float16 scale per latent, rope key and indexer key)
 
-where L is num_hidden_layers and L_idx the layers whose indexer_types entry is "full". The expanded-K/V
-formula of the source material, 2 * L * heads * head_dim * b, is ~50x larger for GLM-5. For GLM-5
+where L is num_hidden_layers and L_idx the layers whose indexer_types entry is "full"; with MTP speculative
+decoding each MTP layer adds one to both (its own latent rows and its own indexer keys, cache layer L + i).
+The expanded-K/V formula of the source material, 2 * L * heads * head_dim * b, is ~50x larger for GLM-5. For GLM-5
 (L = 78, 512 + 64 latent/rope, 128-dim indexer keys on every layer) in bfloat16 that is 109,824 bytes per
 token, 14.4 GB for one 131072-token sequence; with the L2 tier, about 0.51x of that.
 
@@ -53,14 +54,18 @@ def make_layout(
     dtype: torch.dtype,
     device: torch.device,
     index_dtype: torch.dtype | None = None,
+    mtp_layers: int = 0,
 ) -> KVLayout:
+    """The pool's layout; `mtp_layers` MTP layers get rows after the decoder layers', each with its own indexer
+    keys (glm5.model.model.MTPLayer's cache layer L + i)."""
     index_layers = {layer: i for i, layer in enumerate(config.full_indexer_layers)}
+    slots = tuple(index_layers.get(i, -1) for i in range(config.num_hidden_layers))
     return KVLayout(
-        num_layers=config.num_hidden_layers,
+        num_layers=config.num_hidden_layers + mtp_layers,
         kv_lora_rank=config.kv_lora_rank,
         rope_dim=config.qk_rope_head_dim,
         index_dim=config.index_head_dim,
-        index_slot_of_layer=tuple(index_layers.get(i, -1) for i in range(config.num_hidden_layers)),
+        index_slot_of_layer=slots + tuple(range(len(index_layers), len(index_layers) + mtp_layers)),
         block_size=block_size,
         num_fp_blocks=num_fp_blocks,
         num_q_blocks=num_q_blocks,
@@ -70,9 +75,11 @@ def make_layout(
     )
 
 
-def per_token_bytes(config: ModelConfig, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> tuple[int, int]:
+def per_token_bytes(
+    config: ModelConfig, dtype: torch.dtype, index_dtype: torch.dtype | None = None, mtp_layers: int = 0
+) -> tuple[int, int]:
     """(L1 bytes, L2 bytes) per token over all layers."""
-    layout = make_layout(config, 1, 0, 0, dtype, torch.device("cpu"), index_dtype)
+    layout = make_layout(config, 1, 0, 0, dtype, torch.device("cpu"), index_dtype, mtp_layers)
     return layout.fp_bytes_per_token(), layout.q_bytes_per_token()
 
 
@@ -90,10 +97,11 @@ class CacheSpec:
     max_chunk: int  # tokens one step may prefill
     l1_tokens: int
     int8_tier: bool
+    mtp_layers: int = 0  # MTP layers with cache rows (speculative decoding)
 
     @property
     def per_token(self) -> tuple[int, int]:
-        return per_token_bytes(self.model, self.dtype, self.index_dtype)
+        return per_token_bytes(self.model, self.dtype, self.index_dtype, self.mtp_layers)
 
     def bytes_for_one_sequence(self) -> int:
         fp_tok, q_tok = self.per_token

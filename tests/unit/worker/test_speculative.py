@@ -1,0 +1,255 @@
+"""Speculative decoding (glm5_worker.engine.speculative): the acceptance rule keeps the target's distribution
+(chi-square, and a mutated rule fails the same test), and the engine's tokens and log-probs with drafts (MTP
+layer, k = 1 and 3; prompt lookup) equal those without, through chunked prefill, prefix-cache hits, a
+preemption, stop rules inside an accepted run, and requests that may not speculate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from glm5.errors import CheckpointError, ConfigError
+from glm5.tokenizer.build import write_tokenizer
+from glm5_worker.config import EngineConfig
+from glm5_worker.engine.engine import Engine, RequestOutput
+from glm5_worker.engine.sampler import Sampler
+from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence
+from glm5_worker.engine.speculative import SpeculativeConfig, ngram_drafts, verify
+from safetensors.torch import load_file, save_file
+
+from tests.helpers.oracle import mtp_checkpoint
+
+# hidden 72 and expert width 40: not multiples of the kernels' tiles; 3 decoder layers and an MTP layer
+SHAPES = dict(vocab_size=1024, hidden_size=72, moe_intermediate_size=40, intermediate_size=104, index_topk=16)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("spec-ckpt")
+    mtp_checkpoint(path, 3, seed=3, **SHAPES)
+    write_tokenizer(path)
+    return path
+
+
+def make_engine(path: Path, spec: SpeculativeConfig | None, **kw: object) -> Engine:
+    base = dict(model=str(path), max_model_len=512, kv_cache_bytes=16 << 20, block_size=16, dense_warmup_tokens=0,
+                kv_int8_tier=False, max_num_batched_tokens=48, speculative=spec)  # fmt: skip
+    return Engine(EngineConfig(**{**base, **kw}))  # type: ignore[arg-type]
+
+
+def run(engine: Engine) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(5000):
+        if not engine.has_work:
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    raise AssertionError("the engine did not finish")
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(20, 1000, (int(torch.randint(10, 90, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]  # fmt: skip
+
+
+def greedy(n: int, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def serve(engine: Engine, ps: list[list[int]], params: SamplingParams) -> dict[str, list[RequestOutput]]:
+    for i, p in enumerate(ps):
+        engine.add_request(f"r{i}", None, p, params)
+    return run(engine)
+
+
+# configuration ------------------------------------------------------------------------------------------------
+def test_speculative_config_takes_vllms_flag() -> None:
+    spec = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 8}')
+    assert spec == SpeculativeConfig("mtp", 3, 8)
+    assert SpeculativeConfig.parse(spec.flag()) == spec
+    assert SpeculativeConfig.parse('{"method": "deepseek_mtp"}') == SpeculativeConfig("mtp", 1)
+    for off in (None, "", "none", "None", "off"):
+        assert SpeculativeConfig.parse(off) is None
+    bad = {
+        "[1]": "JSON object",
+        "{": "JSON object or none",
+        '{"method": "eagle"}': "method must be one of",
+        '{"num_speculative_tokens": 0}': "1..8",
+        '{"num_speculative_tokens": "3"}': "1..8",
+        '{"disable_by_batch_size": 0}': "disable_by_batch_size",
+        '{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}': "prompt_lookup_min",
+        '{"k": 3}': "unknown keys k",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ConfigError, match=message):
+            SpeculativeConfig.parse(text)
+    with pytest.raises(ConfigError, match="one device"):
+        EngineConfig(tensor_parallel_size=2, speculative=spec)
+
+
+def test_mtp_needs_a_checkpoint_with_mtp_weights(tiny_model: Path, checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no multi-token-prediction layers"):
+        make_engine(tiny_model, SpeculativeConfig("mtp", 2))
+    make_engine(tiny_model, SpeculativeConfig("ngram", 2))  # needs no weights
+    # a checkpoint that declares its MTP layer but lost its weights ("without mtp" quantizations)
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    for f in checkpoint.iterdir():
+        (lost / f.name).write_bytes(f.read_bytes())
+    tensors = {k: v for k, v in load_file(lost / "model.safetensors").items() if ".layers.3." not in k}
+    save_file(tensors, lost / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((lost / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    make_engine(lost, None)  # serves without speculation
+    with pytest.raises(CheckpointError, match=r"model\.layers\.3\.eh_proj\.weight"):
+        make_engine(lost, SpeculativeConfig("mtp", 1))
+
+
+# the acceptance rule ------------------------------------------------------------------------------------------
+def _chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def _sampled(seed: int) -> Sequence:
+    seq = Sequence("s", [1], SamplingParams(temperature=0.8, top_k=5), detokenizer=None)  # type: ignore[arg-type]
+    seq.generator = torch.Generator().manual_seed(seed)
+    return seq
+
+
+@pytest.mark.parametrize("one_hot", [False, True], ids=["drafts-with-q", "drafts-one-hot"])
+def test_verify_keeps_the_target_distribution(one_hot: bool) -> None:
+    """Each emitted token, given what came before it, is distributed as the target says (the rows' logits do not
+    depend on the prefix here, so the first and second emitted tokens must follow rows 0 and 1); the same test
+    fails the rule fed another proposal distribution than the one the drafts were drawn from. (Treating a drawn
+    draft as one-hot would not fail it: accepting with p(d) and else drawing from p without d is exact too.)"""
+    vocab, n = 7, 6000
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(3, vocab, generator=g) * 1.5  # two drafts: rows 0..2
+    proposer = torch.randn(2, vocab, generator=g) * 1.5
+    sampler = Sampler(0, torch.device("cpu"))
+    seq = _sampled(1)
+    p = sampler.filtered_probs(target, [seq] * 3)
+    q = sampler.filtered_probs(proposer, [seq] * 2)
+    uniform = torch.where(q[0] > 0, 1.0, 0.0) / (q[0] > 0).sum()
+    draw = torch.Generator().manual_seed(2)
+
+    def counts(mutated: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
+        first, second = torch.zeros(vocab), torch.zeros(vocab)
+        accepted = 0
+        for _ in range(n):
+            if one_hot:  # prompt lookup: the same drafts every time, no distribution
+                drafts, qs = [int(p[0].argmax()), int(p[1].argmin())], [None, None]
+            else:
+                drafts = [int(torch.multinomial(q[i], 1, generator=draw)) for i in range(2)]
+                qs = [uniform, uniform] if mutated else [q[0], q[1]]
+            picks, a = verify(target, drafts, qs, seq, sampler)  # type: ignore[arg-type]
+            accepted += a
+            first[picks[0].token_id] += 1
+            if len(picks) > 1:
+                second[picks[1].token_id] += 1
+        return first, second, accepted / (2 * n)
+
+    first, second, rate = counts(mutated=False)
+    assert 0.05 < rate < 0.95
+    assert _chi2_p_value(first, p[0]) > 1e-3
+    assert _chi2_p_value(second, p[1]) > 1e-3
+    if not one_hot:
+        first, second, _ = counts(mutated=True)
+        assert min(_chi2_p_value(first, p[0]), _chi2_p_value(second, p[1])) < 1e-6
+
+
+def test_greedy_verify_keeps_the_longest_matching_prefix() -> None:
+    sampler = Sampler(0, torch.device("cpu"))
+    seq = Sequence("g", [1], greedy(8, logprobs=True), detokenizer=None)  # type: ignore[arg-type]
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate([3, 4, 5, 6]):
+        logits[row, token] = 5.0
+    for drafts, want in (([3, 4, 5], [3, 4, 5, 6]), ([3, 9, 5], [3, 4]), ([1, 4, 5], [3]), ([3, 4], [3, 4, 5])):
+        picks, accepted = verify(logits[: len(drafts) + 1], drafts, [None] * len(drafts), seq, sampler)
+        assert [p.token_id for p in picks] == want and accepted == len(want) - 1
+        lp = torch.log_softmax(logits, dim=-1)
+        assert [p.logprob for p in picks] == pytest.approx([float(lp[i, t]) for i, t in enumerate(want)])
+
+
+def test_ngram_drafts_follow_the_latest_match() -> None:
+    assert ngram_drafts([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2, 3, 1) == [7, 8]
+    assert ngram_drafts([5, 6, 5, 6, 5], 3, 4, 1) == [6, 5]
+    assert ngram_drafts([1, 2, 3, 4], 3, 4, 2) == []
+    assert ngram_drafts([4, 1, 2, 4], 2, 1, 1) == [1, 2]
+
+
+# the engine ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec", [SpeculativeConfig("mtp", 1), SpeculativeConfig("mtp", 3), SpeculativeConfig("ngram", 3)],
+    ids=["mtp-k1", "mtp-k3", "ngram-k3"],
+)  # fmt: skip
+def test_greedy_tokens_and_logprobs_equal_those_without_speculation(checkpoint: Path,
+                                                                    spec: SpeculativeConfig) -> None:  # fmt: skip
+    ps = prompts(3, seed=4)
+    ps.append(ps[1] + [7, 8, 9])  # a prefix-cache hit on ps[1]'s blocks
+    params = greedy(30, logprobs=True, top_logprobs=2)
+    base = serve(make_engine(checkpoint, None), ps, params)
+    engine = make_engine(checkpoint, spec)
+    got = serve(engine, ps, params)
+    assert engine.blocks.prefix_hits > 0
+    for rid, outs in base.items():
+        assert tokens(got[rid]) == tokens(outs), rid
+        want = [lp for o in outs for lp in o.logprobs]
+        have = [lp for o in got[rid] for lp in o.logprobs]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(want, have, strict=True)) <= 1e-4
+        assert [[t for t, _ in a.top] for a in want] == [[t for t, _ in b.top] for b in have]
+    c = engine.stats().speculative
+    assert c is not None and c.drafted >= c.accepted >= 0 and c.steps > 0
+    assert c.by_position == sorted(c.by_position, reverse=True) and sum(c.by_position) == c.accepted
+
+
+def test_preemption_and_stop_rules_inside_an_accepted_run(tiny_model: Path) -> None:
+    """On the tiny preset, whose random outputs repeat, so that prompt lookup's drafts are often accepted."""
+    checkpoint = tiny_model
+    spec = SpeculativeConfig("ngram", 3)
+    ps = prompts(3, seed=15)
+    # room for ~16 blocks of 16 tokens: three sequences of ~100 tokens cannot all stay resident
+    engine = make_engine(checkpoint, None)
+    per_token = engine.pool_plan.fp_bytes_per_token
+    base = serve(engine, ps, greedy(60))
+    engine = make_engine(checkpoint, spec, kv_cache_bytes=per_token * 16 * 16, max_model_len=160)
+    got = serve(engine, ps, greedy(60))
+    assert engine.scheduler.num_preemptions > 0 and engine.stats().speculative.accepted > 0  # type: ignore[union-attr]
+    assert {k: tokens(v) for k, v in got.items()} == {k: tokens(v) for k, v in base.items()}
+    # stop rules land where they would without speculation, even inside a run of accepted drafts
+    gen = tokens(base["r0"])
+    text = "".join(o.text for o in base["r0"])
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    for params in (greedy(60, stop=[stop]), greedy(60, stop_token_ids=[gen[40]]), greedy(37)):
+        want = serve(make_engine(checkpoint, None), ps[:1], params)["r0"]
+        have = serve(make_engine(checkpoint, spec), ps[:1], params)["r0"]
+        assert tokens(have) == tokens(want) and "".join(o.text for o in have) == "".join(o.text for o in want)
+        assert (have[-1].finish_reason, have[-1].stop_reason) == (want[-1].finish_reason, want[-1].stop_reason)
+        assert have[-1].completion_tokens == len(tokens(want))
+    assert want[-1].finish_reason == FinishReason.LENGTH and len(tokens(want)) == 37
+
+
+def test_requests_that_may_not_speculate_and_sampled_ones(checkpoint: Path) -> None:
+    """Penalties and structured output decode a token per step (their rule depends on the tokens before), with
+    the same tokens as without speculation; a seeded sampled request gives the same tokens on every run."""
+    spec = SpeculativeConfig("mtp", 2)
+    ps = prompts(2, seed=21)
+    for params in (greedy(20, repetition_penalty=1.3), greedy(20, logit_bias={40: 3.0})):
+        want = serve(make_engine(checkpoint, None), ps, params)
+        engine = make_engine(checkpoint, spec)
+        have = serve(engine, ps, params)
+        assert {k: tokens(v) for k, v in have.items()} == {k: tokens(v) for k, v in want.items()}
+        assert engine.stats().speculative.drafted == 0  # type: ignore[union-attr]
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_new_tokens=25, ignore_eos=True)
+    runs = [tokens(serve(make_engine(checkpoint, spec), ps[:1], sampled)["r0"]) for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 25
