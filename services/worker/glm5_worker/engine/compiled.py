@@ -95,12 +95,12 @@ _OPTIONS: dict[str, Any] = {
 }
 
 
-def _compile(method: types.MethodType, shape: Shape) -> Callable[..., tuple[torch.Tensor, ...]]:
+def _compile(method: types.MethodType, shape: Shape, kind: str = "decode") -> Callable[..., tuple[torch.Tensor, ...]]:
     """`method` compiled for one shape. Each shape's function has its own copy of the code object: dynamo
     keeps its graphs per code object and checks each one's guards in turn until one passes, ~17 us each on
     the tiny model, so a single cache of four graphs cost a batch-1 step ~70 us of guard checks."""
     fn = method.__func__
-    name = f"decode_{'single' if shape.single else 'batch'}_{'long' if shape.long else 'short'}"
+    name = f"{kind}_{'single' if shape.single else 'batch'}_{'long' if shape.long else 'short'}"
     code = fn.__code__.replace(co_name=name, co_qualname=f"CompiledDecode.{name}")
     clone = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     return torch.compile(types.MethodType(clone, method.__self__), options=_OPTIONS)
@@ -127,8 +127,13 @@ class CompiledDecode:
         self.compile_seconds = 0.0
         self.cache_hits = 0  # graphs warm_up found in inductor's cache
         self.steps = 0  # decode steps run compiled
+        self.draft_steps = 0  # MTP passes run compiled
         self.fallbacks = 0  # decode steps that needed a graph not compiled at start-up
         self._fns = {shape: _compile(self._decode, shape) for shape in SHAPES}  # type: ignore[arg-type]
+        # MTP speculative decoding: the MTP layer's decode passes (the verified positions, the recursive drafts)
+        self.draft_ready: set[Shape] = set()
+        self._draft_fns = {shape: _compile(self._draft, shape, "draft") for shape in SHAPES  # type: ignore[arg-type]
+                           if runner.model.mtp_layers}  # fmt: skip
 
     def _decode(self, rows: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logits, each sparse layer's attention entropy, and the last hidden states (an MTP pass drafts from
@@ -143,6 +148,15 @@ class CompiledDecode:
         hidden = r.model.hidden_states(batch, r.storage, r.kernels, r.controls)
         logits = r.model.logits(hidden)
         return logits, torch.stack([batch.entropy[layer] for layer in self.entropy_layers]), hidden
+
+    def _draft(self, rows: torch.Tensor, tables: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The first MTP layer over decode rows (ModelRunner.draft): every row's logits and output."""
+        r = self.runner
+        assert r.storage is not None
+        input_ids, positions, slots, lengths = rows.unbind(0)
+        group = DecodeGroup(input_ids.shape[0], tables, lengths, tables.shape[1] * self.block_size)
+        batch = ForwardBatch(input_ids, positions, slots, group, [], input_ids)
+        return r.model.mtp_forward(batch, hidden, r.storage, r.kernels, r.controls, 0, all_logits=True)
 
     def _shape(self, batch: int, width: int) -> Shape:
         return Shape(single=batch == 1, long=width * self.block_size > self.runner.model.config.index_topk)
@@ -176,7 +190,7 @@ class CompiledDecode:
         assert r.storage is not None
         pools = [(tuple(t.shape), str(t.dtype)) for t in vars(r.storage).values() if isinstance(t, torch.Tensor)]
         parts = (torch.__version__, repr(r.model.config), str(r.rc.dtype), self.block_size, self.max_batch, pools,
-                 repr(_OPTIONS), [str(s) for s in self.shapes()])  # fmt: skip
+                 repr(_OPTIONS), [str(s) for s in self.shapes()], bool(self._draft_fns))  # fmt: skip
         return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
     @property
@@ -226,9 +240,21 @@ class CompiledDecode:
                 log.warning("compiling decode steps (%s) failed, they run eagerly: %s", shape, exc)
                 continue
             self.ready.add(shape)
+            if shape in self._draft_fns:
+                hidden = torch.zeros(b, self.runner.model.config.hidden_size, dtype=self.runner.rc.dtype)
+                if b > 1:
+                    torch._dynamo.maybe_mark_dynamic(hidden, 0)
+                try:
+                    with torch.inference_mode():
+                        self._draft_fns[shape](*args, hidden)
+                    self.draft_ready.add(shape)
+                except Exception as exc:
+                    log.warning("compiling MTP draft steps (%s) failed, they run eagerly: %s", shape, exc)
             log.info("compiled decode steps (%s) in %.1f s", shape, time.perf_counter() - t0)
         self.compile_seconds = time.perf_counter() - start
         self.cache_hits = inductor["fxgraph_cache_hit"] - hits0
+        if self._draft_fns and self.draft_ready != self.ready:
+            return  # a draft graph failed: the next start compiles again (and says so)
         log.info("decode steps compiled in %.1f s, %d of %d graphs from the cache %s (--enforce-eager skips this)",
                  self.compile_seconds, self.cache_hits, len(self.ready), self.cache_dir)  # fmt: skip
         if self.ready == set(shapes):
@@ -243,23 +269,26 @@ class CompiledDecode:
             tmp.replace(self._record)
 
     # steps ---------------------------------------------------------------------------------------------------
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, float], torch.Tensor] | None:
-        """Logits of a decode-only step through its compiled graph, the attention entropy per layer when the
-        plan asks for it, and the rows' last hidden states; None when the step must run eagerly."""
+    def _call(self, fns: dict[Shape, Callable[..., tuple[torch.Tensor, ...]]], ready: set[Shape], plan: StepPlan,
+              *extra: torch.Tensor) -> tuple[torch.Tensor, ...] | None:  # fmt: skip
+        """`plan` through its shape's graph in `fns`; None when it must run eagerly."""
         b = len(plan.decode_tables)
         if plan.prefills or not 1 <= b <= self.max_batch or plan.layer_topk is not None:
             return None
         width = self._width(plan.decode_tables)
         shape = self._shape(b, width)
         # longer contexts score their indexer keys in place, eagerly
-        if width * self.block_size >= self.paged_min or shape not in self.ready:
+        if width * self.block_size >= self.paged_min or shape not in ready:
             return None
         args = self._inputs(plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths,
                             width)  # fmt: skip
+        if extra and b > 1:
+            for t in extra:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
             # never compile while serving: a step that needs a new graph runs eagerly
             with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
-                logits, entropy, hidden = self._fns[shape](*args)
+                return fns[shape](*args, *extra)
         except (torch._dynamo.exc.RecompileError, RuntimeError) as exc:
             # a frame after a graph break that would recompile raises a plain RuntimeError; the eager rerun
             # writes the same KV rows again, so a step cut short there is safe to repeat
@@ -269,6 +298,24 @@ class CompiledDecode:
             if self.fallbacks == 1:
                 log.info("a decode step needs a graph not compiled at start-up; it runs eagerly (%s)", exc)
             return None
+
+    def run_draft(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An MTP pass of decode rows through its compiled graph: every row's logits and output; None when it
+        must run eagerly."""
+        done = self._call(self._draft_fns, self.draft_ready, plan, hidden)
+        if done is None:
+            return None
+        self.draft_steps += 1
+        logits, out = done
+        return logits, out
+
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, dict[int, float], torch.Tensor] | None:
+        """Logits of a decode-only step through its compiled graph, the attention entropy per layer when the
+        plan asks for it, and the rows' last hidden states; None when the step must run eagerly."""
+        done = self._call(self._fns, self.ready, plan)
+        if done is None:
+            return None
+        logits, entropy, hidden = done
         self.steps += 1
         if not plan.collect_entropy:
             return logits, {}, hidden

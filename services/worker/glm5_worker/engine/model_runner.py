@@ -218,6 +218,11 @@ class ModelRunner:
         and `hidden` (N, H) that position's hidden state. Returns the logits of plan.logits_rows and every row's
         output (the next recursive pass's hidden states)."""
         assert self.storage is not None, "init_kv first"
+        if self.compiled is not None and step % len(self.model.mtp_layers) == 0:
+            done = self.compiled.run_draft(plan, hidden)
+            if done is not None:
+                logits, out = done
+                return logits[plan.logits_rows], out
         batch = self.batch(plan)
         with torch.inference_mode():
             return self.model.mtp_forward(batch, hidden, self.storage, self.kernels, self.controls, step)
