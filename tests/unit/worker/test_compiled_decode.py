@@ -19,10 +19,9 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.compiled import Shape, unavailable
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
-from glm5_worker.engine.speculative import SpeculativeConfig
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from tests.helpers.oracle import hf_checkpoint, mtp_checkpoint
+from tests.helpers.oracle import hf_checkpoint
 
 PARITY = {
     "grouped-moe": dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, index_topk=12),
@@ -152,26 +151,6 @@ def test_short_and_long_contexts_and_the_disk_cache(tmp_path: Path) -> None:
     now = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
     assert now >= hits + 2, "the second start compiled its graphs again instead of reading them from the cache"
     assert generate(again, ps[:1], 10, together=False)[0] == want[0][:10]
-
-
-def test_compiled_verify_steps_and_mtp_passes(tmp_path: Path) -> None:
-    """Speculative decoding: a sequence's verify rows run through the decode graphs (the batch graph for one
-    sequence and its drafts) and the MTP layer's decode passes through graphs of their own, with the eager
-    engine's greedy tokens."""
-    mtp_checkpoint(tmp_path / "m", 3, seed=3, vocab_size=1024, **PARITY["grouped-moe"])
-    write_tokenizer(tmp_path / "m")
-    spec = SpeculativeConfig("mtp", 2)
-    eager = engine(tmp_path / "m", True, tmp_path / "cache", speculative=spec)
-    compiled = engine(tmp_path / "m", False, tmp_path / "cache", speculative=spec)
-    runner = compiled.runner.compiled
-    assert runner is not None and runner.draft_ready == runner.ready == {Shape(True, True), Shape(False, True)}
-    ps = prompts([5, 40], seed=1)
-    for together in (False, True):
-        assert generate(compiled, ps, 20, together) == generate(eager, ps, 20, together), f"together={together}"
-    # every verify step and every MTP pass but those after a prefill (their rows are a chunk) ran compiled
-    assert runner.fallbacks == 0 and runner.steps > 0 and runner.draft_steps >= 2 * runner.steps - 3
-    c = compiled.stats().speculative
-    assert c is not None and c.drafted > 0
 
 
 def test_what_cannot_be_compiled_runs_eagerly(tmp_path: Path) -> None:
