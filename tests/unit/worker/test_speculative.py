@@ -20,6 +20,7 @@ from glm5_worker.engine.speculative import SpeculativeConfig, ngram_drafts, veri
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.oracle import mtp_checkpoint
+from tests.unit.worker.test_engine import prompts, tokens
 
 # hidden 72 and expert width 40: not multiples of the kernels' tiles; 3 decoder layers and an MTP layer
 SHAPES = dict(vocab_size=1024, hidden_size=72, moe_intermediate_size=40, intermediate_size=104, index_topk=16)
@@ -47,16 +48,6 @@ def run(engine: Engine) -> dict[str, list[RequestOutput]]:
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
     raise AssertionError("the engine did not finish")
-
-
-def tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.token_ids]
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(20, 1000, (int(torch.randint(10, 90, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]  # fmt: skip
 
 
 def greedy(n: int, **kw: object) -> SamplingParams:
