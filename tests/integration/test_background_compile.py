@@ -4,10 +4,13 @@ logprobs before and after, and a restart, or a SIGKILLed worker that `glm5 serve
 in the compile cache.
 
 These are the suite's only tests that compile through the CLI: the conftest makes every other worker eager. One
-cache is shared by the module (two graphs: --compile-max-batch 1), compiled cold once, about a minute here."""
+cache is shared by the module (two graphs: --compile-max-batch 1), compiled cold once, about a minute here. The
+tiny preset's two graphs (top-k 256, blocks of 64: a context up to 256 tokens picks every token, a longer one
+runs the indexer) are checked here against the eager answers of the same worker."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -95,6 +98,11 @@ def test_worker_serves_eagerly_while_compiling_then_switches(compile_cache: Path
         for prompt, before in zip(prompts, eager, strict=True):
             _same(before, _greedy(target, prompt))
         assert "needs a graph not compiled" not in log.read_text()  # the steps above ran compiled
+        # both at once: steps of two sequences are wider than --compile-max-batch 1 and run eagerly, same answers
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(lambda p: _greedy(target, p), prompts))
+        for before, after in zip(eager, together, strict=True):
+            _same(before, after)
     finally:
         proc.kill()  # SIGKILL, as in issue 33: nothing is flushed or cleaned up
         proc.wait()

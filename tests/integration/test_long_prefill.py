@@ -1,4 +1,4 @@
-"""A worker stays observable while it prefills a 40K-token prompt: engine steps run off the event loop, health
+"""A worker stays observable while it prefills a 16K-token prompt: engine steps run off the event loop, health
 checks answer at once and GetStats within its short wait (with the last stats when a step is still running),
 so neither a Kubernetes probe nor a router's poll mistakes a busy worker for a dead one."""
 
@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.procs import start_worker, stop
 
-PROMPT_TOKENS = 40_000
+PROMPT_TOKENS = 16_000  # ~20 s of prefill here: long enough to be watched by dozens of polls
 
 
 def test_health_and_stats_answer_during_a_long_prefill(tiny_model: Path, tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ def _config(stack: dict[str, object], out: Path, **kw: object) -> RLConfig:
     base: dict[str, object] = dict(
         policy=SHIPPED_MODEL, gateway=stack["gateway"], out=out, engines=stack["engines"], steps=3, group_size=4,
         groups_per_step=2, max_inflight_groups=6, temperature=2.0, learning_rate=1e-3, staleness_limit=0,
-        eval_size=16, progress=False, admin_token=ADMIN_TOKEN,
+        eval_size=16, progress=False, admin_token=ADMIN_TOKEN, max_new_tokens=20,
     )  # fmt: skip
     return RLConfig(**{**base, **kw})  # type: ignore[arg-type]
 

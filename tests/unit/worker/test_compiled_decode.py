@@ -2,8 +2,9 @@
 
 Compiling is slow on 2 cores (tens of seconds per graph, cold), so the suite runs eagerly (GLM5_ENFORCE_EAGER=1,
 tests/conftest.py) and only these tests compile: two of the transformers parity configurations (top-k 12,
-blocks of 16: every context past the first block is "long") and the tiny preset (top-k 256, blocks of 64: short
-contexts get their own graph).
+blocks of 16: every context past the first block is "long"), one of them with the INT8 tier. The tiny preset's
+short-context graph, the disk cache and steps wider than --compile-max-batch are checked through `glm5 worker`
+(tests/integration/test_background_compile.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ PARITY = {
     "grouped-moe": dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, index_topk=12),
     "shared-indexer": dict(num_hidden_layers=4, index_topk_pattern="FSFS", index_topk=12),
 }
+# Engine settings per configuration: tokens older than l1_tokens move to the INT8 tier, so the shared-indexer
+# graphs read both tiers (the eager split by tier broke the graph, and its pieces recompiled, and failed, while
+# serving); the grouped-moe ones read the float tier alone.
+TIERS: dict[str, dict[str, object]] = {"grouped-moe": {}, "shared-indexer": dict(kv_int8_tier=True, l1_tokens=32)}
 
 
 def engine(path: Path, eager: bool, cache: Path, **kw: object) -> Engine:
@@ -65,8 +70,11 @@ def prompts(lengths: list[int], seed: int) -> list[list[int]]:
 def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: Path, cache: Path) -> None:
     hf_checkpoint(tmp_path / "m", seed=3, vocab_size=1024, **PARITY[config])
     write_tokenizer(tmp_path / "m")
-    eager = engine(tmp_path / "m", True, cache)
-    compiled = engine(tmp_path / "m", False, cache)
+    eager = engine(tmp_path / "m", True, cache, **TIERS[config])
+    compiled = engine(tmp_path / "m", False, cache, **TIERS[config])
+    demoted: list[tuple[int, int]] = []
+    demote = compiled.runner.demote
+    compiled.runner.demote = lambda copies: (demoted.extend(copies), demote(copies))[1]  # type: ignore[method-assign]
     runner = compiled.runner.compiled
     assert runner is not None and eager.runner.compiled is None
     # blocks of 16 and top-k 12: every context is long; batch 1 and batches of 2..4 each have a graph
@@ -85,24 +93,7 @@ def test_compiled_decode_matches_eager_on_parity_configs(config: str, tmp_path: 
     assert runner.steps == 3 * 23 + 23 and runner.fallbacks == 0
     for mine, theirs in zip(compiled.sparsity.layers, eager.sparsity.layers, strict=True):
         assert mine.entropy_short is not None and mine.entropy_short == pytest.approx(theirs.entropy_short, rel=1e-4)
-
-
-def test_compiled_decode_reads_the_int8_tier(tmp_path: Path, cache: Path) -> None:
-    """Tokens older than l1_tokens move to the INT8 tier: a compiled step reads both tiers inside its graph (the
-    eager split by tier broke the graph, and its pieces recompiled, and failed, while serving)."""
-    hf_checkpoint(tmp_path / "m", seed=3, vocab_size=1024, **PARITY["shared-indexer"])
-    write_tokenizer(tmp_path / "m")
-    eager = engine(tmp_path / "m", True, cache, kv_int8_tier=True, l1_tokens=32)
-    compiled = engine(tmp_path / "m", False, cache, kv_int8_tier=True, l1_tokens=32)
-    demoted: list[tuple[int, int]] = []
-    demote = compiled.runner.demote
-    compiled.runner.demote = lambda copies: (demoted.extend(copies), demote(copies))[1]  # type: ignore[method-assign]
-    ps = prompts([70, 100], seed=2)
-    for together in (False, True):
-        assert generate(compiled, ps, 24, together) == generate(eager, ps, 24, together), f"together={together}"
-    runner = compiled.runner.compiled
-    assert runner is not None and runner.steps == 2 * 23 + 23 and runner.fallbacks == 0
-    assert demoted  # the steps did read blocks from the INT8 tier
+    assert bool(demoted) == bool(TIERS[config]), "the steps read no block from the INT8 tier"
 
 
 def test_compiled_steps_read_swapped_weights(tmp_path: Path, cache: Path) -> None:
@@ -111,8 +102,9 @@ def test_compiled_steps_read_swapped_weights(tmp_path: Path, cache: Path) -> Non
     for name, seed in (("a", 3), ("b", 4)):
         hf_checkpoint(tmp_path / name, seed=seed, vocab_size=1024, **PARITY["shared-indexer"])
         write_tokenizer(tmp_path / name)
-    eager = engine(tmp_path / "a", True, cache)
-    compiled = engine(tmp_path / "a", False, cache, compile_max_batch=1)
+    # the shared-indexer settings of the parity test: its batch-1 graph is read from the module's cache
+    eager = engine(tmp_path / "a", True, cache, **TIERS["shared-indexer"])
+    compiled = engine(tmp_path / "a", False, cache, compile_max_batch=1, **TIERS["shared-indexer"])
     ps = prompts([40], seed=5)
     before = generate(compiled, ps, 16, together=False)
     assert before == generate(eager, ps, 16, together=False)
@@ -122,35 +114,6 @@ def test_compiled_steps_read_swapped_weights(tmp_path: Path, cache: Path) -> Non
     assert after != before, "the new weights changed nothing: the test cannot tell"
     assert after == generate(eager, ps, 16, together=False)
     assert compiled.runner.compiled is not None and compiled.runner.compiled.fallbacks == 0
-
-
-def test_short_and_long_contexts_and_the_disk_cache(tmp_path: Path) -> None:
-    """The tiny preset (top-k 256, blocks of 64): contexts up to 256 tokens pick every token (their own graph),
-    longer ones run the indexer. A second engine on the same cache directory reuses the compiled graphs."""
-    from torch._dynamo.utils import counters
-
-    path = init_model(tmp_path / "tiny", preset="tiny", seed=0)
-    kw = dict(block_size=64, compile_max_batch=1)
-    torch._dynamo.reset()  # start as a fresh process does (a cached graph's key depends on dynamo's state)
-    eager = engine(path, True, tmp_path / "cache", **kw)
-    compiled = engine(path, False, tmp_path / "cache", **kw)
-    runner = compiled.runner.compiled
-    assert runner is not None and runner.ready == {Shape(True, True), Shape(True, False)}
-    ps = prompts([30, 300], seed=2)  # short, and past top-k
-    want = generate(eager, ps, 40, together=False)
-    assert generate(compiled, ps, 40, together=False) == want
-    assert runner.steps == 2 * 39 and runner.fallbacks == 0
-    # two sequences at once: larger than compile_max_batch, so those steps run eagerly (same tokens)
-    assert generate(compiled, ps, 10, together=True) == generate(eager, ps, 10, together=True)
-    assert any((tmp_path / "cache").rglob("*.py")), "inductor wrote no generated code into the cache directory"
-    # a new start: dynamo forgets its graphs (as a new process would); the compiled ones come from the disk cache
-    torch._dynamo.reset()
-    hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
-    again = engine(path, False, tmp_path / "cache", **kw)
-    assert again.runner.compiled is not None and again.runner.compiled.ready == runner.ready
-    now = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
-    assert now >= hits + 2, "the second start compiled its graphs again instead of reading them from the cache"
-    assert generate(again, ps[:1], 10, together=False)[0] == want[0][:10]
 
 
 def test_what_cannot_be_compiled_runs_eagerly(tmp_path: Path) -> None:
