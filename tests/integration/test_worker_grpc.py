@@ -168,6 +168,36 @@ def test_model_info_and_stats(stub) -> None:
     assert len(stats.layers) == 4
 
 
+def test_a_speculating_worker_answers_as_one_that_does_not_and_reports_its_drafts(
+    tiny_model: Path, tmp_path: Path, stub
+) -> None:
+    """`glm5 worker --speculative-config` (vLLM's flag): prompt-lookup drafts on a prompt that repeats itself, the
+    same greedy tokens and log-probs as the worker without it, and GetStats' speculative counters (the router
+    exports them as glm5_worker_spec_decode_*)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    log = tmp_path / "worker.log"
+    proc, target = start_worker(tiny_model, *WORKER_ARGS, "--speculative-config", spec, log=log)
+    ids = [(7 * i) % 13 + 40 for i in range(13)] * 4  # a repeating prompt: its n-grams have continuations
+    request = dict(prompt_token_ids=ids, sampling=sampling(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+                   return_logprobs=True)  # fmt: skip
+    try:
+        with grpc.insecure_channel(target) as channel:
+            drafting = worker_pb2_grpc.WorkerStub(channel)
+            got = generate(drafting, **request)
+            stats = drafting.GetStats(worker_pb2.GetStatsRequest())
+    finally:
+        assert stop(proc) == 0, log.read_text()[-3000:]
+    want = generate(stub, **request)
+    assert [t for r in got for t in r.token_ids] == [t for r in want for t in r.token_ids]
+    lp_got, lp_want = ([lp.logprob for r in rs for lp in r.logprobs] for rs in (got, want))
+    assert lp_got == pytest.approx(lp_want, abs=1e-4)
+    s = stats.speculative
+    assert stats.HasField("speculative") and (s.method, s.num_speculative_tokens) == ("ngram", 3)
+    assert s.drafts_total > 0 and s.draft_tokens_total >= s.drafts_total >= 1
+    assert len(s.accepted_tokens_by_position) == 3 and sum(s.accepted_tokens_by_position) == s.accepted_tokens_total
+    assert not stub.GetStats(worker_pb2.GetStatsRequest()).HasField("speculative")  # a worker that does not draft
+
+
 def test_a_full_kv_pool_preempts_and_reports_it(tiny_model: Path, tmp_path: Path) -> None:
     """A pool of ~10 blocks of 16 tokens and three requests of ~120 tokens each: the newest sequences are
     preempted and recomputed, every request still gets all its tokens, and GetStats counts the preemptions

@@ -104,7 +104,7 @@ class LayerSparsity(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., attention_entropy: _Optional[float] = ..., attention_entropy_drift: _Optional[float] = ..., topk: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("kv_usage", "kv_fragmentation", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "attention_entropy_drift", "token_latency_jitter_ms", "num_running", "num_waiting", "weight_version", "prefix_cache_hit_rate", "layers", "generated_tokens_total", "mean_token_latency_ms", "world_size", "ranks", "preemptions_total")
+    __slots__ = ("kv_usage", "kv_fragmentation", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "attention_entropy_drift", "token_latency_jitter_ms", "num_running", "num_waiting", "weight_version", "prefix_cache_hit_rate", "layers", "generated_tokens_total", "mean_token_latency_ms", "world_size", "ranks", "preemptions_total", "speculative")
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class WorkerStats(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     kv_usage: float
     kv_fragmentation: float
     kv_blocks_total: int
@@ -139,7 +140,24 @@ class WorkerStats(_message.Message):
     world_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
     preemptions_total: int
-    def __init__(self, kv_usage: _Optional[float] = ..., kv_fragmentation: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., attention_entropy_drift: _Optional[float] = ..., token_latency_jitter_ms: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerSparsity, _Mapping]]] = ..., generated_tokens_total: _Optional[int] = ..., mean_token_latency_ms: _Optional[float] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., preemptions_total: _Optional[int] = ...) -> None: ...
+    speculative: SpeculativeStats
+    def __init__(self, kv_usage: _Optional[float] = ..., kv_fragmentation: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., attention_entropy_drift: _Optional[float] = ..., token_latency_jitter_ms: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerSparsity, _Mapping]]] = ..., generated_tokens_total: _Optional[int] = ..., mean_token_latency_ms: _Optional[float] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., preemptions_total: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
+
+class SpeculativeStats(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "drafts_total", "draft_tokens_total", "accepted_tokens_total", "accepted_tokens_by_position")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    drafts_total: int
+    draft_tokens_total: int
+    accepted_tokens_total: int
+    accepted_tokens_by_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., drafts_total: _Optional[int] = ..., draft_tokens_total: _Optional[int] = ..., accepted_tokens_total: _Optional[int] = ..., accepted_tokens_by_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RankMemory(_message.Message):
     __slots__ = ("rank", "weight_bytes", "kv_bytes", "device_bytes", "host_rss_bytes", "weight_bytes_by_dtype")

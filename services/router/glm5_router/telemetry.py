@@ -2,8 +2,9 @@
 
 Metrics: time to first token, time per output token, token usage, queue wait, queue depth, requests by
 outcome, retries, breaker state and transitions, and each worker's signals as last polled (KV usage and
-fragmentation, attention-entropy drift, token-latency jitter, running/waiting, per-layer entropy and top-k:
-`glm5_worker_*{worker=...}`), so one scrape of the router shows what its breaker sees.
+fragmentation, attention-entropy drift, token-latency jitter, running/waiting, per-layer entropy and top-k,
+speculative decoding's drafted and accepted tokens: `glm5_worker_*{worker=...}`), so one scrape of the router
+shows what its breaker sees.
 
 Traces: a server span per request (gen_ai.* attributes) and a client span per worker attempt. Traces are
 exported only when configured the standard way: OTEL_TRACES_EXPORTER=console|otlp (otlp needs
@@ -105,6 +106,32 @@ class _LiveState(Collector):
         yield preemptions
         yield entropy
         yield topk
+        yield from _speculative(polled)
+
+
+# Speculative decoding per worker (WorkerStats.speculative), vLLM's spec_decode counters: the acceptance rate is
+# rate(accepted_tokens) / rate(draft_tokens), the mean accepted length 1 + rate(accepted_tokens) / rate(drafts).
+SPEC_COUNTERS = (
+    ("glm5_worker_spec_decode_drafts", "Sequence-steps that verified draft tokens", "drafts_total"),
+    ("glm5_worker_spec_decode_draft_tokens", "Draft tokens proposed", "draft_tokens_total"),
+    ("glm5_worker_spec_decode_accepted_tokens", "Draft tokens accepted", "accepted_tokens_total"),
+)
+
+
+def _speculative(polled: dict[str, worker_pb2.WorkerStats]) -> Iterator[Metric]:
+    drafting = {address: stats.speculative for address, stats in polled.items() if stats.HasField("speculative")}
+    for name, doc, field in SPEC_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=["worker", "method"])
+        for address, spec in drafting.items():
+            c.add_metric([address, spec.method], float(getattr(spec, field)))
+        yield c
+    by_position = CounterMetricFamily("glm5_worker_spec_decode_accepted_tokens_per_position",
+                                      "Draft tokens accepted, by draft position (0: the first)",
+                                      labels=["worker", "method", "position"])  # fmt: skip
+    for address, spec in drafting.items():
+        for position, n in enumerate(spec.accepted_tokens_by_position):
+            by_position.add_metric([address, spec.method, str(position)], float(n))
+    yield by_position
 
 
 class Telemetry:

@@ -42,6 +42,8 @@ STATS = {
     "num_waiting": 3, "weight_version": 7, "prefix_cache_hit_rate": 0.75, "preemptions_total": 5,
     "layers": [{"layer": 0, "attention_entropy": 2.5, "topk": 256},
                {"layer": 2, "attention_entropy": 1.5, "topk": 384}],
+    "speculative": {"method": "mtp", "num_speculative_tokens": 2, "drafts_total": 10, "draft_tokens_total": 20,
+                    "accepted_tokens_total": 13, "accepted_tokens_by_position": [9, 4]},
 }  # fmt: skip
 
 
@@ -116,6 +118,13 @@ async def test_spans_and_metrics(router: tuple[RouterApp, str]) -> None:
     assert samples[key] > 0
     assert samples[("glm5_worker_layer_attention_entropy", (("layer", "2"), ("worker", worker)))] == 1.5
     assert samples[("glm5_worker_layer_topk", (("layer", "2"), ("worker", worker)))] == 384
+    spec = (("method", "mtp"), ("worker", worker))
+    assert samples[("glm5_worker_spec_decode_drafts_total", spec)] == 10
+    assert samples[("glm5_worker_spec_decode_draft_tokens_total", spec)] == 20
+    assert samples[("glm5_worker_spec_decode_accepted_tokens_total", spec)] == 13
+    per_position = "glm5_worker_spec_decode_accepted_tokens_per_position_total"
+    at = [samples[(per_position, (("method", "mtp"), ("position", str(i)), ("worker", worker)))] for i in (0, 1)]
+    assert at == [9, 4]
 
 
 async def test_a_worker_that_stops_answering_is_reported_down(router: tuple[RouterApp, str], tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.spec = config.speculative
         if self.spec is not None:
-            self.outputs.spec = SpecCounters(self.spec.num_speculative_tokens)
+            self.outputs.spec = SpecCounters(self.spec.num_speculative_tokens, self.spec.method)
             log.info("speculative decoding: %s, up to %d draft tokens a step%s", self.spec.method,
                      self.spec.num_speculative_tokens, "" if self.spec.disable_by_batch_size is None else
                      f", off in steps of more than {self.spec.disable_by_batch_size} decoding sequences")  # fmt: skip
@@ -536,7 +536,7 @@ class Engine:
             weight_version=self.weight_version,
             num_preemptions=self.scheduler.num_preemptions,
             ranks=self.replica.stats(mine) if self.replica is not None else [mine],
-            speculative=self.outputs.spec,
+            speculative=self.outputs.spec.snapshot() if self.outputs.spec is not None else None,
         )
 
 

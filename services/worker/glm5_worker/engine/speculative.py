@@ -124,6 +124,7 @@ class SpecCounters:
     """vLLM's spec_decode counters: drafted and accepted tokens, accepted by draft position, verify steps."""
 
     k: int
+    method: str = "mtp"
     steps: int = 0  # sequence-steps that verified at least one draft
     drafted: int = 0
     accepted: int = 0
@@ -131,6 +132,12 @@ class SpecCounters:
 
     def __post_init__(self) -> None:
         self.by_position = [0] * self.k
+
+    def snapshot(self) -> SpecCounters:
+        """A copy for another thread (GetStats answers from the gRPC loop while the engine thread counts on)."""
+        copy = SpecCounters(self.k, self.method, self.steps, self.drafted, self.accepted)
+        copy.by_position = list(self.by_position)
+        return copy
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1

@@ -21,6 +21,7 @@ from glm5.weight_sync import GROUP_NAME, MAX_SENDERS, split_address
 from glm5_worker.engine.async_engine import AsyncEngine, EngineFailure, EngineStopped, ReplicaLost
 from glm5_worker.engine.engine import EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
+from glm5_worker.engine.speculative import SpecCounters
 from glm5_worker.engine.structured import OutputFormat
 from glm5_worker.engine.threads import in_own_thread
 from glm5_worker.engine.weights import SyncSpec, WeightSource, read_weights
@@ -227,6 +228,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             ],
             generated_tokens_total=st.generated_tokens_total,
             preemptions_total=st.num_preemptions,
+            speculative=_speculative(st.speculative),
             mean_token_latency_ms=st.mean_token_latency_ms,
             world_size=len(st.ranks),
             ranks=[
@@ -401,3 +403,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         text = self.engine.engine.tokenizer.decode(list(request.token_ids), request.skip_special_tokens)
         return worker_pb2.DetokenizeResponse(text=text)
+
+
+def _speculative(spec: SpecCounters | None) -> worker_pb2.SpeculativeStats | None:
+    if spec is None:
+        return None
+    return worker_pb2.SpeculativeStats(
+        method=spec.method,
+        num_speculative_tokens=spec.k,
+        drafts_total=spec.steps,
+        draft_tokens_total=spec.drafted,
+        accepted_tokens_total=spec.accepted,
+        accepted_tokens_by_position=spec.by_position,
+    )
