@@ -20,6 +20,7 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.compiled import Shape, unavailable
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
+from glm5_worker.engine.speculative import SpeculativeConfig
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from tests.helpers.oracle import hf_checkpoint
@@ -122,6 +123,28 @@ def test_compiled_steps_read_swapped_weights(tmp_path: Path, cache: Path) -> Non
     assert after != before, "the new weights changed nothing: the test cannot tell"
     assert after == generate(eager, ps, 16, together=False)
     assert compiled.runner.compiled is not None and compiled.runner.compiled.fallbacks == 0
+
+
+def test_compiled_verify_steps(tmp_path: Path, cache: Path) -> None:
+    """Speculative decoding: a sequence and its drafts are decode rows of one step, so the verify steps run the
+    batched decode graph (the shared-indexer settings of the parity test: its graphs come from the module's
+    cache), with the eager engine's greedy tokens without speculation. Prompt lookup (ngram) drafts here; the MTP
+    layer's own graphs (CompiledDecode.run_draft) compile cold in ~70 s more and are left to the device check."""
+    hf_checkpoint(tmp_path / "m", seed=3, vocab_size=1024, **PARITY["shared-indexer"])
+    write_tokenizer(tmp_path / "m")
+    settings = SETTINGS["shared-indexer"]
+    eager = engine(tmp_path / "m", True, cache, **settings)
+    spec = SpeculativeConfig("ngram", 3)
+    compiled = engine(tmp_path / "m", False, cache, speculative=spec, **settings)
+    runner = compiled.runner.compiled
+    assert runner is not None and runner.ready == {Shape(True, True), Shape(False, True)}
+    # prompts that hold many of the vocabulary's tokens: a token the model emits has often occurred before
+    ps = [list(range(40, 240)), prompts([120], seed=4)[0] * 2]
+    for together in (False, True):
+        assert generate(compiled, ps, 24, together) == generate(eager, ps, 24, together), f"together={together}"
+    counters = compiled.stats().speculative
+    assert counters is not None and counters.steps > 0 and counters.drafted >= counters.steps
+    assert runner.fallbacks == 0 and runner.steps > 0
 
 
 def test_what_cannot_be_compiled_runs_eagerly(tmp_path: Path) -> None:
