@@ -77,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="soft signal: attention-entropy drift above this halves its weight")  # fmt: skip
     p.add_argument("--breaker-token-jitter-ms", type=float, default=b.token_jitter_ms,
                    help="soft signal: per-token latency jitter above this halves its weight")  # fmt: skip
+    p.add_argument("--breaker-spec-window-tokens", type=int, default=b.spec_window_tokens,
+                   help="soft signal of a worker that speculates: draft tokens per acceptance window")  # fmt: skip
+    p.add_argument("--breaker-spec-acceptance-drop", type=float, default=b.spec_acceptance_drop,
+                   help="soft signal: a window's acceptance below this times the worker's own baseline halves its "
+                        "weight (0: off)")  # fmt: skip
+    p.add_argument("--breaker-spec-acceptance-max", type=float, default=b.spec_acceptance_max,
+                   help="soft signal: a window's acceptance above this (implausible) halves its weight")  # fmt: skip
     p.add_argument("--breaker-sustained-seconds", type=float, default=b.sustained_s,
                    help="a soft signal over its threshold this long may eject the worker")  # fmt: skip
     p.add_argument("--breaker-open-seconds", type=float, default=b.open_s,
@@ -147,7 +154,9 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         error_rate=a.breaker_error_rate, window_s=a.breaker_window_seconds, min_calls=a.breaker_min_calls,
         kv_fragmentation=a.breaker_kv_fragmentation, entropy_drift=a.breaker_entropy_drift,
         token_jitter_ms=a.breaker_token_jitter_ms, sustained_s=a.breaker_sustained_seconds,
-        open_s=a.breaker_open_seconds, max_open_s=max(300.0, a.breaker_open_seconds),
+        spec_window_tokens=a.breaker_spec_window_tokens, spec_acceptance_drop=a.breaker_spec_acceptance_drop,
+        spec_acceptance_max=a.breaker_spec_acceptance_max, open_s=a.breaker_open_seconds,
+        max_open_s=max(300.0, a.breaker_open_seconds),
         half_open_share=a.breaker_half_open_share, max_ejection_percent=a.breaker_max_ejection_percent,
     )  # fmt: skip
     return RouterConfig(

@@ -22,6 +22,12 @@ class BreakerConfig:
     entropy_drift: float = 0.12
     token_jitter_ms: float = 150.0
     sustained_s: float = 30.0  # a signal must stay over its threshold this long
+    # speculative decoding's acceptance (workers that draft): a window of this many draft tokens whose acceptance
+    # rate is below spec_acceptance_drop x the worker's own baseline, or above spec_acceptance_max, is a soft
+    # signal (Z.ai flagged garbled output by acceptance rate > 0.96 and accepted length < 1.4)
+    spec_window_tokens: int = 256
+    spec_acceptance_drop: float = 0.5
+    spec_acceptance_max: float = 0.96
     open_s: float = 10.0  # first open period; doubles on every failed probe ...
     max_open_s: float = 300.0  # ... up to this
     half_open_share: float = 0.05  # share of traffic admitted as probes
@@ -36,6 +42,9 @@ class BreakerConfig:
             raise ConfigError("breaker min calls and half-open successes must be >= 1")
         if not 0 <= self.max_ejection_percent <= 100:
             raise ConfigError("--breaker-max-ejection-percent must be in [0, 100]")
+        if self.spec_window_tokens < 1 or not 0 <= self.spec_acceptance_drop < 1 or self.spec_acceptance_max <= 0:
+            raise ConfigError("--breaker-spec-window-tokens must be >= 1, --breaker-spec-acceptance-drop in [0, 1) "
+                              "and --breaker-spec-acceptance-max > 0")  # fmt: skip
         if min(self.window_s, self.sustained_s, self.open_s) < 0 or self.max_open_s < self.open_s:
             raise ConfigError("breaker periods must be >= 0 and max open >= open")
 

@@ -95,6 +95,62 @@ def _workers(n: int) -> list[Worker]:
                    healthy=True) for i in range(n)]  # fmt: skip
 
 
+def _spec(drafted: int, accepted: int) -> worker_pb2.WorkerStats:
+    return worker_pb2.WorkerStats(speculative=worker_pb2.SpeculativeStats(
+        method="mtp", num_speculative_tokens=3, drafts_total=drafted // 3, draft_tokens_total=drafted,
+        accepted_tokens_total=accepted))  # fmt: skip
+
+
+def test_acceptance_below_the_workers_own_baseline_or_implausibly_high_is_a_soft_signal() -> None:
+    b, clock = _breaker(sustained_s=30, spec_window_tokens=100)
+    drafted = accepted = 0
+
+    def window(rate: float, samples: int = 2) -> None:
+        nonlocal drafted, accepted
+        for _ in range(samples):  # a window fills over several polls
+            drafted, accepted = drafted + 50, accepted + round(50 * rate)
+            b.observe(_spec(drafted, accepted))
+            clock.t += 5
+
+    b.observe(_spec(0, 0))
+    for rate in (0.3, 0.34, 0.26, 0.3, 0.32):  # a low rate, but the worker's own: healthy
+        window(rate)
+    assert b.degraded == {} and b.acceptance.baseline == pytest.approx(0.3, abs=0.02)
+    window(0.1)  # a third of its baseline (the numerics went wrong)
+    assert b.degraded == {"spec_acceptance": pytest.approx(0.1)} and b.weight == 0.5
+    b.observe(_spec(drafted + 10, accepted))  # a window still filling: still degraded
+    drafted += 10
+    assert "spec_acceptance" in b.degraded and b.acceptance.baseline == pytest.approx(0.3, abs=0.02)
+    for _ in range(3):
+        window(0.1)
+    assert b.state is State.OPEN and "spec_acceptance 0.1" in b.reason  # sustained for 30 s
+
+    b, clock = _breaker(spec_window_tokens=100)
+    b.observe(_spec(0, 0))
+    drafted = accepted = 0
+    window(0.98)  # near-total acceptance from the first window: the target repeats what the draft says
+    assert b.degraded == {"spec_acceptance": pytest.approx(0.98)}
+    window(0.6)
+    assert b.degraded == {}
+    for rate in (0.6, 0.6, 0.6):
+        window(rate)
+    # a worker restart resets its counters: no window spans it, and the baseline starts again
+    drafted = accepted = 0
+    b.observe(_spec(0, 0))
+    assert b.acceptance.baseline is None and b.degraded == {}
+    window(0.2)  # a new start's first windows only build its baseline
+    assert b.degraded == {}
+    b2, _ = _breaker(spec_window_tokens=100, spec_acceptance_drop=0.0, spec_acceptance_max=1.0)  # both off
+    for i in range(20):
+        b2.observe(_spec(100 * i, 90 * i if i < 10 else 900 + i))
+    assert b2.degraded == {}
+    b3, _ = _breaker()
+    b3.observe(worker_pb2.WorkerStats())  # a worker that does not speculate: no signal
+    assert b3.acceptance.rate is None and b3.degraded == {}
+    with pytest.raises(ConfigError, match="spec-acceptance-drop"):
+        BreakerConfig(spec_acceptance_drop=1.5)
+
+
 def test_least_outstanding_with_round_robin_ties() -> None:
     ws = _workers(3)
     p = Picker(1.25)

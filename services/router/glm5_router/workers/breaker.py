@@ -1,8 +1,9 @@
 """A circuit breaker per worker: closed -> open -> half-open -> closed, as Envoy's outlier detection does it.
 
 Opens (ejects the worker) on an error rate over a sliding window (with a minimum number of calls). The soft
-signals (KV fragmentation, attention-entropy drift, per-token latency jitter) lower the worker's weight in
-picking while one is over its threshold; one that stays over for a sustained time may eject it too. Either
+signals (KV fragmentation, attention-entropy drift, per-token latency jitter, and for a worker that speculates
+its acceptance against its own baseline: AcceptanceWatch) lower the worker's weight in picking while one is over
+its threshold; one that stays over for a sustained time may eject it too. Either
 ejection happens only when the pool allows it (`may_eject`: Envoy's max_ejection_percent; never the last
 worker): a pool with no routable worker serves nobody, so a struggling worker is better than none. After the
 open period it goes half-open and admits a capped share of traffic as probes; enough successes close it, a
@@ -27,7 +28,64 @@ class State(enum.Enum):
     HALF_OPEN = "half_open"
 
 
-SIGNALS = ("kv_fragmentation", "attention_entropy_drift", "token_latency_jitter_ms")
+SIGNALS = ("kv_fragmentation", "attention_entropy_drift", "token_latency_jitter_ms", "spec_acceptance")
+BASELINE_WINDOWS = 3  # windows that only build a worker's acceptance baseline
+BASELINE_WEIGHT = 0.2  # each later healthy window's weight in it
+
+
+class AcceptanceWatch:
+    """Speculative decoding's acceptance rate as a soft signal. The drafts of a healthy replica are accepted at a
+    rate set by its model and its traffic; numerics that went wrong (a bad weight sync, a broken kernel, a
+    corrupted KV block) change what the target predicts, and the drafts stop matching, so the rate falls
+    (Z.ai's post-mortem: accepted length < 1.4); a rate near 1 is as suspicious (> 0.96: the target degenerated
+    to what the draft predicts, e.g. repeating). The worker's counters (WorkerStats.speculative) are cumulative:
+    their increase is summed into windows of `spec_window_tokens` draft tokens, and each full window's rate is
+    judged against the baseline of the worker's own earlier healthy windows (an exponential average), so a
+    model or a workload with a low rate is not flagged for being itself."""
+
+    def __init__(self, config: BreakerConfig) -> None:
+        self.config = config
+        self._reset()
+
+    def _reset(self) -> None:
+        self.baseline: float | None = None
+        self.windows = 0  # full windows seen since the counters started (or restarted)
+        self.rate: float | None = None  # the last full window's acceptance rate
+        self.anomalous = False  # the last full window's verdict
+        self._last: tuple[int, int] | None = None  # cumulative (draft tokens, accepted) at the last sample
+        self._drafted = 0
+        self._accepted = 0
+
+    def update(self, stats: worker_pb2.WorkerStats) -> bool | None:
+        """The verdict of a window this sample completed (True: anomalous), None while a window fills."""
+        if not stats.HasField("speculative"):
+            return None
+        spec = stats.speculative
+        now = (spec.draft_tokens_total, spec.accepted_tokens_total)
+        last, self._last = self._last, now
+        if last is None or now[0] < last[0] or now[1] < last[1]:  # first sample, or the worker restarted
+            self._reset()
+            self._last = now
+            return None
+        self._drafted += now[0] - last[0]
+        self._accepted += now[1] - last[1]
+        if self._drafted < self.config.spec_window_tokens:
+            return None
+        rate = self._accepted / self._drafted
+        self._drafted = self._accepted = 0
+        self.windows += 1
+        c = self.config
+        low = (
+            self.baseline is not None
+            and self.windows > BASELINE_WINDOWS
+            and rate < c.spec_acceptance_drop * self.baseline
+        )
+        self.rate, self.anomalous = rate, low or rate > c.spec_acceptance_max
+        if not self.anomalous:  # a sick window never drags the baseline toward itself
+            b = self.baseline
+            self.baseline = rate if b is None else b + (BASELINE_WEIGHT if self.windows > BASELINE_WINDOWS else
+                                                        1 / self.windows) * (rate - b)  # fmt: skip
+        return self.anomalous
 
 
 class CircuitBreaker:
@@ -55,6 +113,7 @@ class CircuitBreaker:
         self._probe_credit = 0.0
         self._probe_successes = 0
         self._probes_in_flight = 0
+        self.acceptance = AcceptanceWatch(config)
 
     # -- admission ------------------------------------------------------------------------------------
 
@@ -115,16 +174,32 @@ class CircuitBreaker:
             "attention_entropy_drift": self.config.entropy_drift,
             "token_latency_jitter_ms": self.config.token_jitter_ms,
         }
-        for name, limit in limits.items():
-            value = float(getattr(stats, name))
-            if value <= limit:
-                self._over_since.pop(name, None)
-                self.degraded.pop(name, None)
-                continue
+        verdicts = {name: (float(getattr(stats, name)), f"> {limit:g}") for name, limit in limits.items()
+                    if float(getattr(stats, name)) > limit}  # fmt: skip
+        for name in limits:
+            if name not in verdicts:
+                self._clear(name)
+        watch = self.acceptance
+        judged = watch.update(stats)
+        if judged or (judged is None and "spec_acceptance" in self.degraded and stats.HasField("speculative")):
+            # over until a full window says otherwise
+            assert watch.rate is not None
+            c = self.config
+            band = (
+                f"not in {c.spec_acceptance_drop:g} x baseline {watch.baseline or 0:.3g} .. {c.spec_acceptance_max:g}"
+            )
+            verdicts["spec_acceptance"] = (watch.rate, band)
+        else:
+            self._clear("spec_acceptance")
+        for name, (value, limit_text) in verdicts.items():
             self.degraded[name] = value
             since = self._over_since.setdefault(name, now)
             if self.state is State.CLOSED and now - since >= self.config.sustained_s:
-                self._eject(now, f"{name} {value:.3g} > {limit:g} for {now - since:.0f}s")
+                self._eject(now, f"{name} {value:.3g} {limit_text} for {now - since:.0f}s")
+
+    def _clear(self, name: str) -> None:
+        self._over_since.pop(name, None)
+        self.degraded.pop(name, None)
 
     @property
     def weight(self) -> float:
