@@ -54,6 +54,7 @@ BENCHMARKS = [
     Benchmark("rl_scale", True, 120, "| transport | seconds | GB/s | vs collective |"),
     Benchmark("router", True, 180, "fixed 100 ms window"),
     Benchmark("scaling_plan", False, 30, "int4-experts"),
+    Benchmark("speculative", False, 60, "| method | k | ms/token | vs off |"),
     Benchmark("tensor_parallel", False, 120, "collectives ms"),
     Benchmark("tito_routing", True, 30, "bounded-load ring (gateway)"),
 ]

@@ -65,7 +65,11 @@ def test_speculative_config_takes_vllms_flag() -> None:
     spec = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 8}')
     assert spec == SpeculativeConfig("mtp", 3, 8)
     assert SpeculativeConfig.parse(spec.flag()) == spec
-    assert SpeculativeConfig.parse('{"method": "deepseek_mtp"}') == SpeculativeConfig("mtp", 1)
+    # without disable_by_batch_size a CPU worker drafts only at batch 1 (where it pays here); an accelerator
+    # always, and an explicit null means always on a CPU too
+    assert SpeculativeConfig.parse('{"method": "deepseek_mtp"}') == SpeculativeConfig("mtp", 1, 1)
+    assert SpeculativeConfig.parse('{"method": "deepseek_mtp"}', "cuda") == SpeculativeConfig("mtp", 1)
+    assert SpeculativeConfig.parse('{"disable_by_batch_size": null}') == SpeculativeConfig("mtp", 1)
     for off in (None, "", "none", "None", "off"):
         assert SpeculativeConfig.parse(off) is None
     bad = {

@@ -39,6 +39,13 @@ MAX_SPECULATIVE_TOKENS = 8
 _KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "prompt_lookup_max", "prompt_lookup_min"}
 
 
+# On a CPU a step's cost grows with its rows (each row's attention and indexer work, not the weights' reads,
+# dominates): with prompt lookup on the demo model, speculation gave 1.17x at batch 1 (k = 1) and 0.81x / 0.49x of
+# the throughput without it at batch 2 / 4 (docs/benchmarks.md r), so by default a CPU worker drafts only while
+# one sequence decodes.
+CPU_DISABLE_BY_BATCH_SIZE = 1
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str = "mtp"
@@ -63,8 +70,10 @@ class SpeculativeConfig:
                               f"got {lo!r} and {hi!r}")  # fmt: skip
 
     @classmethod
-    def parse(cls, text: str | None) -> SpeculativeConfig | None:
-        """vLLM's flag value: a JSON object, or none / empty for no speculation."""
+    def parse(cls, text: str | None, device_type: str = "cpu") -> SpeculativeConfig | None:
+        """vLLM's flag value: a JSON object, or none / empty for no speculation. Without disable_by_batch_size,
+        a CPU worker speculates only while one sequence decodes (CPU_DISABLE_BY_BATCH_SIZE); an accelerator
+        always does (vLLM's default)."""
         if text is None or text.strip().lower() in ("", "none", "null", "off"):
             return None
         try:
@@ -80,6 +89,8 @@ class SpeculativeConfig:
                               f"{', '.join(sorted(_KEYS))})")  # fmt: skip
         if raw.get("method") in ("deepseek_mtp", "glm4_moe_mtp"):  # vLLM's older spellings of the same method
             raw["method"] = "mtp"
+        if "disable_by_batch_size" not in raw and device_type == "cpu":
+            raw["disable_by_batch_size"] = CPU_DISABLE_BY_BATCH_SIZE
         return cls(**raw)
 
     def flag(self) -> str:

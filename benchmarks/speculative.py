@@ -1,0 +1,177 @@
+"""Speculative decoding (issue 36): per-token time at batch 1 with k = 0..3 draft tokens, in one process.
+
+Batch 1 after a ~1K-token context (few-shot additions, which the model continues), greedy, `--new` tokens:
+milliseconds per generated token after the first (the decode phase), milliseconds per engine step (a step
+verifies the sequence and its k drafts as k + 1 rows), the mean accepted length (tokens a verify step emits)
+and the acceptance rate, for prompt lookup (ngram) and, when the checkpoint has an MTP layer, mtp. Then
+throughput (generated tokens over wall time, medians of interleaved runs) at larger batches, without
+speculation, with it, and with `disable_by_batch_size` turning it off above a batch size. Greedy tokens are
+compared with the run without speculation (the share of sequences with every token equal).
+
+Usage: python benchmarks/speculative.py [--model DIR] [--context 1024] [--new 64] [--k 1,2,3] [--runs 3]
+                                        [--batches 1,2,4,8,32] [--disable-by-batch-size 1] [--enforce-eager]
+       python benchmarks/speculative.py --smoke    # 128-token context, 16 new tokens, k 1 and 3, eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from glm5.model.presets import default_model_path
+from glm5.tokenizer.tokenizer import Tokenizer
+from glm5_worker.config import EngineConfig
+from glm5_worker.engine.engine import Engine
+from glm5_worker.engine.sequence import SamplingParams
+from glm5_worker.engine.speculative import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+
+@dataclass
+class Run:
+    ms_per_token: float
+    ms_per_step: float
+    accepted_length: float  # tokens per verify step (1 + accepted drafts)
+    acceptance: float
+    tokens: list[list[int]]
+    wall_s: float
+
+
+def context(tok: Tokenizer, length: int, index: int = 0) -> list[int]:
+    """Few-shot additions up to `length` tokens, ending where the next problem starts."""
+    lines: list[str] = []
+    ids: list[int] = []
+    i = 0
+    while len(ids) < length:
+        a, b = (37 * (i + index) + 11) % 90 + 10, (53 * (i + index) + 7) % 90 + 10
+        lines.append(f"What is {a} + {b}? The answer is {a + b}.\n")
+        ids = tok.encode("".join(lines))
+        i += 1
+    return ids[:length]
+
+
+def engine(model: Path, spec: SpeculativeConfig | None, eager: bool, cache: Path, max_len: int) -> Engine:
+    # no prefix cache: a repeated prompt would reuse blocks by then in the INT8 tier, computed (and rounded) once
+    # per engine history, and its runs would differ for that reason alone
+    return Engine(EngineConfig(model=str(model), max_model_len=max_len, kv_cache_bytes=256 << 20, max_num_seqs=64,
+                               enforce_eager=eager, compile_cache_dir=str(cache), speculative=spec,
+                               enable_prefix_caching=False))  # fmt: skip
+
+
+def run(eng: Engine, prompts: list[list[int]], new: int) -> Run:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    before = eng.stats().speculative
+    s0, d0, a0 = (before.steps, before.drafted, before.accepted) if before else (0, 0, 0)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", None, p, params)
+    outs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    first: float | None = None
+    steps = 0
+    while eng.has_work:
+        got = eng.step()
+        if first is not None:
+            steps += 1
+        for o in got:
+            outs[o.request_id].extend(o.token_ids)
+        if first is None and any(outs.values()):
+            first = time.perf_counter()
+    end = time.perf_counter()
+    after = eng.stats().speculative
+    s, d, a = (after.steps - s0, after.drafted - d0, after.accepted - a0) if after else (0, 0, 0)
+    tokens = sum(len(v) for v in outs.values())
+    assert first is not None
+    decode_ms = (end - first) * 1e3
+    return Run(
+        ms_per_token=decode_ms / max(tokens - len(prompts), 1),
+        ms_per_step=decode_ms / max(steps, 1),
+        accepted_length=1 + a / s if s else 1.0,
+        acceptance=a / d if d else 0.0,
+        tokens=[outs[f"r{i}"] for i in range(len(prompts))],
+        wall_s=end - start,
+    )
+
+
+def has_mtp(model: Path) -> bool:
+    config = json.loads((model / "config.json").read_text())
+    return int(config.get("num_nextn_predict_layers") or 0) > 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the shipped demo model)")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--k", default="1,2,3", help="draft tokens to measure")
+    ap.add_argument("--runs", type=int, default=3, help="batch-1 runs per row (medians)")
+    ap.add_argument("--batches", default="1,2,4,8,32")
+    ap.add_argument("--disable-by-batch-size", type=int, default=CPU_DISABLE_BY_BATCH_SIZE,
+                    help="the guarded column's threshold (default: a CPU worker's)")  # fmt: skip
+    ap.add_argument("--enforce-eager", action="store_true", help="eager steps (default: compiled, as glm5 worker)")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    if a.smoke:
+        a.context, a.new, a.k, a.runs, a.batches, a.enforce_eager = 128, 16, "1,3", 1, "1,4", True
+    model = a.model or default_model_path()
+    ks = [int(x) for x in a.k.split(",")]
+    batches = [int(x) for x in a.batches.split(",")]
+    methods = ["ngram"] + (["mtp"] if has_mtp(model) else [])
+    tok = Tokenizer(model)
+    max_len = a.context + a.new + 64
+    prompt = context(tok, a.context)
+    cache = Path(tempfile.mkdtemp(prefix="glm5-spec-bench-"))
+    mode = "eager" if a.enforce_eager else "compiled"
+    print(f"model {model.name}, {mode} steps, batch 1 after a {len(prompt)}-token context, {a.new} new tokens, "
+          f"medians of {a.runs} runs; methods: {', '.join(methods)}"
+          f"{'' if 'mtp' in methods else ' (the checkpoint has no MTP layer)'}\n")  # fmt: skip
+
+    engines: dict[tuple[str, int], Engine] = {("off", 0): engine(model, None, a.enforce_eager, cache, max_len)}
+    for m in methods:
+        for k in ks:
+            engines[(m, k)] = engine(model, SpeculativeConfig(m, k), a.enforce_eager, cache, max_len)
+    for eng in engines.values():  # warm-up: allocator, thread pools
+        run(eng, [prompt[:64]], 4)
+    results: dict[tuple[str, int], list[Run]] = {key: [] for key in engines}
+    for _ in range(a.runs):  # interleaved: the machine's noise falls on every row alike
+        for key, eng in engines.items():
+            results[key].append(run(eng, [prompt], a.new))
+    base = statistics.median(r.ms_per_token for r in results[("off", 0)])
+    want = results[("off", 0)][0].tokens
+    print("| method | k | ms/token | vs off | ms/step | accepted length | acceptance | tokens as off |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (m, k), rs in results.items():
+        ms = statistics.median(r.ms_per_token for r in rs)
+        step = statistics.median(r.ms_per_step for r in rs)
+        equal = all(r.tokens == want for r in rs)
+        print(f"| {m} | {k} | {ms:.2f} | {base / ms:.2f}x | {step:.2f} | {rs[0].accepted_length:.2f} | "
+              f"{rs[0].acceptance:.2f} | {'yes' if equal else 'NO'} |")  # fmt: skip
+
+    k = max(ks)
+    guarded = SpeculativeConfig(methods[-1], k, disable_by_batch_size=a.disable_by_batch_size)
+    engines[("guarded", k)] = engine(model, guarded, a.enforce_eager, cache, max_len)
+    run(engines[("guarded", k)], [prompt[:64]], 4)
+    columns = [("off", 0), (methods[-1], k), ("guarded", k)]
+    print(f"\nthroughput, generated tokens/s over the batch's wall time ({methods[-1]}, k = {k}; "
+          f"guarded: disable_by_batch_size {a.disable_by_batch_size})\n")  # fmt: skip
+    print(f"| batch | off tok/s | {methods[-1]} k={k} tok/s | guarded tok/s | speculative vs off | guarded vs off "
+          "| sequences as off |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for batch in batches:
+        prompts = [context(tok, a.context, index=i) for i in range(batch)]
+        runs: dict[tuple[str, int], list[Run]] = {key: [] for key in columns}
+        for _ in range(a.runs):
+            for key in columns:
+                runs[key].append(run(engines[key], prompts, a.new))
+        rates = [batch * a.new / statistics.median(r.wall_s for r in runs[key]) for key in columns]
+        want = runs[("off", 0)][0].tokens
+        same = sum(x == y for x, y in zip(runs[columns[1]][0].tokens, want, strict=True))
+        print(f"| {batch} | {rates[0]:.1f} | {rates[1]:.1f} | {rates[2]:.1f} | {rates[1] / rates[0]:.2f}x | "
+              f"{rates[2] / rates[0]:.2f}x | {same}/{batch} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
