@@ -170,9 +170,10 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         master_port=a.master_port,
         collective_timeout_s=a.collective_timeout,
         startup_timeout_s=a.startup_timeout,
-        speculative=SpeculativeConfig.parse(a.speculative_config, resolve_device(a.device).type)
-        if a.speculative_config
-        else None,
+        # the device named, not checked here (a rendered config is read where the device is absent)
+        speculative=SpeculativeConfig.parse(
+            a.speculative_config, resolve_device("auto").type if a.device == "auto" else a.device
+        ),
     )
 
 
