@@ -124,6 +124,9 @@ def test_acceptance_below_the_workers_own_baseline_or_implausibly_high_is_a_soft
     for _ in range(3):
         window(0.1)
     assert b.state is State.OPEN and "spec_acceptance 0.1" in b.reason  # sustained for 30 s
+    drafted = accepted = 0
+    b.observe(_spec(0, 0))  # restarted while degraded: the verdict goes with the old counters
+    assert "spec_acceptance" not in b.degraded and b.acceptance.baseline is None
 
     b, clock = _breaker(spec_window_tokens=100)
     b.observe(_spec(0, 0))

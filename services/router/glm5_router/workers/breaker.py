@@ -180,10 +180,9 @@ class CircuitBreaker:
             if name not in verdicts:
                 self._clear(name)
         watch = self.acceptance
-        judged = watch.update(stats)
-        if judged or (judged is None and "spec_acceptance" in self.degraded and stats.HasField("speculative")):
-            # over until a full window says otherwise
-            assert watch.rate is not None
+        watch.update(stats)
+        if stats.HasField("speculative") and watch.anomalous and watch.rate is not None:
+            # over until a full window says otherwise (a restart's reset clears it)
             c = self.config
             band = (
                 f"not in {c.spec_acceptance_drop:g} x baseline {watch.baseline or 0:.3g} .. {c.spec_acceptance_max:g}"
