@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -35,12 +37,15 @@ from glm5_trainer.environment import (
     prompt_ids,
     tool_problems,
 )
+from glm5_trainer.mtp import Trace, fit
 from glm5_trainer.sft import train
-from glm5_trainer.tool_family import evaluation_sets
+from glm5_trainer.tool_family import evaluation_sets, held_out_problems
+from glm5_trainer.tool_family import sample as sample_tool_problem
 from glm5_trainer.tool_sft import finetune
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import FinishReason, SamplingParams
+from glm5_worker.engine.speculative import SpecCounters, SpeculativeConfig
 from glm5_worker.engine.structured import OutputFormat
 
 
@@ -71,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-rl-steps", type=int, default=0,
                    help="after tool SFT (or on the --from checkpoint): `glm5 rl --env tools` steps")  # fmt: skip
     p.add_argument("--tool-rl-lr", type=float, default=1e-4, help="learning rate of the tool RL stage")
+    p.add_argument("--mtp-steps", type=int, default=0,
+                   help="last: fit a multi-token-prediction layer (speculative decoding's drafter) to the model's own "
+                        "greedy outputs, the model frozen (glm5_trainer.mtp; 0: none)")  # fmt: skip
+    p.add_argument("--mtp-args", type=json.loads, default={},
+                   help="JSON object of glm5_trainer.mtp.fit arguments (e.g. '{\"depth\": 1}') and of the traces: "
+                        "traces_per_set (default 400)")  # fmt: skip
     p.add_argument("--rl-arg", action="append", default=[],
                    help="a flag for every `glm5 rl` stage, after the stage's own (the last of a flag wins), e.g. "
                         "--rl-arg=--trainer-arg=--max-new-tokens=16 (repeatable)")  # fmt: skip
@@ -100,14 +111,17 @@ def tool_call_format(tok: Tokenizer, p: Problem) -> OutputFormat | None:
 
 
 def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_new_tokens: int = 48,
-                 max_model_len: int = 1024, tool_grammar: bool = False) -> dict[str, Any]:  # fmt: skip
+                 max_model_len: int = 1024, tool_grammar: bool = False, record: list[Trace] | None = None,
+                 speculative: SpeculativeConfig | None = None) -> dict[str, Any]:  # fmt: skip
     """Plays every problem's episode (greedy) on our own engine in this process, all at once (the engine batches
     their turns), and summarises them: accuracy, and the tool calls (environment.evaluation_summary).
-    `tool_grammar`: each turn held to the lazy tool-call grammar, as `glm5 serve` holds it (tool_call_format)."""
+    `tool_grammar`: each turn held to the lazy tool-call grammar, as `glm5 serve` holds it (tool_call_format).
+    `record`: every turn's context and generated tokens are appended to it. `speculative`: the engine drafts, and
+    the summary gains its counters (`speculative`: accepted length, acceptance, acceptance by draft position)."""
     # eager: the same greedy tokens as compiled steps (tests/unit/worker/test_compiled_decode.py) without minutes
     # of compiling for a one-off evaluation
     engine = Engine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, kv_cache_bytes=256 << 20,
-                                 max_num_seqs=64, enforce_eager=True))  # fmt: skip
+                                 max_num_seqs=64, enforce_eager=True, speculative=speculative))  # fmt: skip
     env = environment(env_name)
     waiting: dict[str, tuple[asyncio.Future[tuple[list[int], bool]], list[int]]] = {}
     counter = itertools.count()
@@ -123,10 +137,11 @@ def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_ne
 
         return generate
 
-    async def main() -> list[Outcome]:
+    async def main(make: Callable[[OutputFormat | None], Callable[[list[int]], Awaitable[tuple[list[int], bool]]]]
+                   ) -> list[Outcome]:  # fmt: skip
         tok = engine.tokenizer
         formats = [tool_call_format(tok, p) if tool_grammar else None for p in problems]
-        tasks = [asyncio.ensure_future(env.play(p, prompt_ids(tok, p), generator(f), tok))
+        tasks = [asyncio.ensure_future(env.play(p, prompt_ids(tok, p), make(f), tok))
                  for p, f in zip(problems, formats, strict=True)]  # fmt: skip
         while not all(t.done() for t in tasks):
             await asyncio.sleep(0)  # episodes whose turn ended submit their next one
@@ -140,7 +155,29 @@ def play_offline(model_dir: Path, env_name: str, problems: list[Problem], max_ne
                     done.set_result((ids, out.finish_reason == FinishReason.LENGTH))
         return [t.result() for t in tasks]
 
-    return evaluation_summary(asyncio.run(main()))
+    def generator_recording(fmt: OutputFormat | None) -> Callable[[list[int]], Awaitable[tuple[list[int], bool]]]:
+        inner = generator(fmt)
+
+        async def generate(context: list[int]) -> tuple[list[int], bool]:
+            ids, truncated = await inner(context)
+            if record is not None:
+                record.append(Trace(list(context), list(ids)))
+            return ids, truncated
+
+        return generate
+
+    summary = evaluation_summary(asyncio.run(main(generator_recording)))
+    if (spec := engine.stats().speculative) is not None:
+        summary["speculative"] = spec_summary(spec)
+    return summary
+
+
+def spec_summary(spec: SpecCounters) -> dict[str, Any]:
+    """What a speculating evaluation reports (vLLM's spec_decode counters, summarised)."""
+    by_position = [round(n / spec.steps, 4) if spec.steps else 0.0 for n in spec.by_position]
+    return {"method": spec.method, "num_speculative_tokens": spec.k, "verify_steps": spec.steps,
+            "accepted_length": round(spec.mean_accepted_length, 4), "acceptance": round(spec.acceptance_rate, 4),
+            "acceptance_by_position": by_position}  # fmt: skip
 
 
 def _rl(model: Path, out: Path, steps: int, lr: float, a: argparse.Namespace, env: str = "addition") -> dict[str, Any]:
@@ -160,13 +197,102 @@ def _rl(model: Path, out: Path, steps: int, lr: float, a: argparse.Namespace, en
     return summary
 
 
+def continue_offline(
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    max_model_len: int = 2048,
+    speculative: SpeculativeConfig | None = None,
+) -> tuple[list[Trace], dict[str, Any] | None]:
+    """Raw completions (no chat template), greedy, all at once on our own engine: the traces, and the
+    speculative counters' summary when `speculative` is given."""
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, kv_cache_bytes=256 << 20,
+                                 max_num_seqs=64, enforce_eager=True, speculative=speculative))  # fmt: skip
+    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"c{i}", None, p, params)
+    outs: dict[str, list[int]] = {f"c{i}": [] for i in range(len(prompts))}
+    while engine.has_work:
+        for o in engine.step():
+            outs[o.request_id] += o.token_ids
+    spec = engine.stats().speculative
+    return [Trace(p, outs[f"c{i}"]) for i, p in enumerate(prompts)], spec_summary(spec) if spec else None
+
+
+def few_shot(tok: Tokenizer, rng: random.Random, length: int) -> list[int]:
+    """A raw few-shot prompt of about `length` tokens: lines `What is a + b? The answer is c.`, ending at a line
+    start, which the demo model continues with more of them."""
+    text = ""
+    while len(tok.encode(text)) < length:
+        x, y = rng.randrange(100), rng.randrange(100)
+        text += f"What is {x} + {y}? The answer is {x + y}.\n"
+    return tok.encode(text)
+
+
+def mtp_problem_sets(n: int, seed: int, held_out: bool) -> dict[str, list[Problem]]:
+    """What the MTP layer is fitted on (training problems) or measured on (held-out ones): additions with
+    thinking on and off, tool problems written in the ways tool SFT trained on (held-out: in ways it never saw)."""
+    train, test = builtin_problems(held_out=500, seed=seed)
+    rng = random.Random(f"mtp {seed} {held_out}")
+    additions = rng.sample(test if held_out else train, min(n, len(test if held_out else train)))
+    if held_out:
+        tools = [p for ps in held_out_problems(per_bucket=max(1, n // 4), seed=seed).values() for p in ps][:n]
+    else:
+        tools = [sample_tool_problem(rng, thinking=rng.random() < 0.7) for _ in range(n)]
+    off = [dataclasses.replace(p, thinking=False) for p in additions[: n // 2]]
+    return {"addition": additions, "addition, thinking off": off, "tools": tools}
+
+
+def _mtp_stage(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, Any]) -> Path:
+    """Fits an MTP layer to `base`'s greedy outputs (glm5_trainer.mtp), then measures speculation with it (k = 3)
+    on held-out problems; returns the checkpoint with the layer."""
+    args = dict(a.mtp_args)
+    n = int(args.pop("traces_per_set", 400))
+    tok = Tokenizer(base)
+    traces: list[Trace] = []
+    for name, problems in mtp_problem_sets(n, a.seed, held_out=False).items():
+        env = "tools" if name == "tools" else "addition"
+        play_offline(base, env, problems, max_new_tokens=64, max_model_len=2048, record=traces)
+    rng = random.Random(f"mtp raw {a.seed}")
+    raw, _ = continue_offline(base, [few_shot(tok, rng, rng.randint(32, 1000)) for _ in range(n // 2)], 64)
+    traces += raw
+    print(f"mtp: {len(traces)} greedy traces of {base} collected", flush=True)
+    try:
+        record = fit(base, work / "mtp", traces, a.mtp_steps, seed=a.seed, **args)
+    except TypeError as exc:
+        raise ConfigError(f"--mtp-args: {exc}") from exc
+    final = work / "mtp"
+    spec = SpeculativeConfig("mtp", 3)
+    record["evaluation"] = {}
+    for name, problems in mtp_problem_sets(max(8, n // 2), a.seed, held_out=True).items():
+        env = "tools" if name == "tools" else "addition"
+        e = play_offline(final, env, problems, max_new_tokens=64, max_model_len=2048, speculative=spec)
+        record["evaluation"][name] = e
+    rng = random.Random(f"mtp raw held-out {a.seed}")
+    _, e_raw = continue_offline(final, [few_shot(tok, rng, 1000) for _ in range(max(4, n // 8))], 64,
+                                speculative=spec)  # fmt: skip
+    record["evaluation"]["few-shot raw text, 1K context"] = {"speculative": e_raw}
+    meta[_stage_key(meta, "mtp")] = record
+    for name, e in record["evaluation"].items():
+        sp = e["speculative"]
+        acc = f"accuracy {e['accuracy']:.1%}, " if "accuracy" in e else ""
+        print(f"held-out {name}: {acc}k=3 accepted length {sp['accepted_length']:.2f}, acceptance by position "
+              f"{sp['acceptance_by_position']}", flush=True)  # fmt: skip
+    return final
+
+
 def _check(a: argparse.Namespace) -> None:
+    if a.mtp_steps < 0 or not isinstance(a.mtp_args, dict):
+        raise ConfigError("--mtp-steps >= 0 and --mtp-args a JSON object")
+    if a.mtp_steps and not (a.rl_steps or a.base):
+        raise ConfigError("--mtp-steps fits a drafter to a trained model: give the stages before it or --from")
     if min(a.rl_steps, a.tool_steps, a.tool_rl_steps) < 0 or (a.stop_at is not None and not 0 < a.stop_at <= a.steps):
         raise ConfigError("--rl-steps, --tool-steps, --tool-rl-steps >= 0 and 0 < --stop-at <= --steps")
     if a.tool_steps and not (a.rl_steps or a.base):
         raise ConfigError("--tool-steps trains on top of the RL stage (or --from a checkpoint): give --rl-steps")
-    if a.base and not (a.tool_steps or a.tool_rl_steps):
-        raise ConfigError("--from starts the tool stages from a checkpoint: give --tool-steps or --tool-rl-steps")
+    if a.base and not (a.tool_steps or a.tool_rl_steps or a.mtp_steps):
+        raise ConfigError("--from starts the tool or MTP stages from a checkpoint: give --tool-steps, "
+                          "--tool-rl-steps or --mtp-steps")  # fmt: skip
     if a.base and not (a.base / "config.json").is_file():
         raise ConfigError(f"--from {a.base}: not a checkpoint folder (no config.json)")
     if a.tool_rl_steps and not (a.tool_steps or a.base):
@@ -255,6 +381,8 @@ def run(a: argparse.Namespace) -> None:
         final = _addition_stages(a, work, meta)
     if a.tool_steps or (a.tool_rl_steps and a.base):
         final = _tool_stages(a, final, work, meta)
+    if a.mtp_steps:
+        final = _mtp_stage(a, final, work, meta)
     a.out.mkdir(parents=True, exist_ok=True)
     for f in final.iterdir():
         if f.is_file() and f.name not in ("version.json", "training.json"):

@@ -178,7 +178,7 @@ def load_model(
                        total_bytes=total, progress=progress, source=f"checkpoint {path}", mtp=mtp)  # fmt: skip
 
 
-MTP_MODES = ("skip", "auto", "require")
+MTP_MODES = ("skip", "auto", "stored", "require")
 
 
 def mtp_layers_stored(config: ModelConfig, stored: Iterable[str]) -> list[bool]:
@@ -198,14 +198,14 @@ def _mtp_to_build(config: ModelConfig, stored: dict[str, str], mtp: str, source:
     if mtp not in MTP_MODES:
         raise ValueError(f"mtp {mtp!r}: one of {', '.join(MTP_MODES)}")
     declared = config.num_nextn_predict_layers
-    if mtp == "skip" or (mtp == "auto" and not declared):
+    if mtp == "skip" or (mtp in ("auto", "stored") and not declared):
         return 0, False
     if not declared:
         raise CheckpointError(f"{source} has no multi-token-prediction layers (config.json num_nextn_predict_layers "
                               "is 0): speculative decoding by MTP needs a checkpoint that has them")  # fmt: skip
     present = mtp_layers_stored(config, stored)
     built = declared if mtp == "require" else next((i for i, p in enumerate(present) if not p), declared)
-    if built < declared:
+    if built < declared and mtp == "auto":
         log.warning("%s declares %d multi-token-prediction layers but stores weights for %d of them: serving "
                     "without the others (MTP speculative decoding %s)", source, declared, built,
                     "drafts with the ones stored" if built else "is off")  # fmt: skip
@@ -233,8 +233,10 @@ def build_model(
     """The model of `config` (this rank's shard under `tp`) from checkpoint tensors under their on-disk names,
     read one at a time in the order given (`stored`: every tensor's safetensors dtype, known up front because it
     decides which layers are quantized). A file's tensors, or ones arriving over a weight-sync group. `mtp`:
-    the multi-token-prediction layers, "skip" (not built, their tensors not read), "auto" (those stored) or
-    "require" (all the config declares, or an error naming the missing tensors)."""
+    the multi-token-prediction layers, "skip" (not built, their tensors not read), "auto" (those stored, a
+    warning when some declared are not), "stored" (those stored, silently: a weight update, which keeps the
+    served layers it does not carry) or "require" (all the config declares, or an error naming the missing
+    tensors)."""
     device = torch.device(device)
     mtp_built, mtp_heads = _mtp_to_build(config, stored, mtp, source)
     with torch.device("meta"):

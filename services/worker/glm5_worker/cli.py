@@ -90,11 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "$GLM5_COMPILE_CACHE or ~/.cache/glm5/compile)")  # fmt: skip
     c.add_argument("--compile-budget", type=float, default=d.compile_budget_s,
                    help="seconds start-up may spend compiling; shapes not compiled by then run eagerly")  # fmt: skip
-    p.add_argument("--speculative-config", default="none", metavar="JSON",
+    p.add_argument("--speculative-config", default="auto", metavar="JSON",
                    help='speculative decoding, vLLM\'s flag and keys: \'{"method": "mtp", "num_speculative_tokens": '
                    '3}\' drafts with the checkpoint\'s MTP layer, method "ngram" by prompt lookup '
                    "(prompt_lookup_max/min); disable_by_batch_size turns it off in steps of more decoding "
-                   "sequences; none: off (docs/worker.md)")  # fmt: skip
+                   "sequences; auto: mtp with 3 drafts where the checkpoint stores an MTP layer and the replica "
+                   "is one device; none: off (docs/worker.md)")  # fmt: skip
     p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor,
                    help="on an Ascend NPU a temperature in (0, floor) is raised to it; 0 stays greedy")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="sampler seed of requests without their own")

@@ -4,6 +4,7 @@ the same object, so each part of the engine gets this one object instead of a li
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -13,12 +14,13 @@ import torch
 from glm5.devices import resolve_device
 from glm5.errors import ConfigError
 from glm5.model.config import ModelConfig, RopeConfig
-from glm5.model.loader import parse_dtype
+from glm5.model.loader import checkpoint_files, mtp_layers_stored, parse_dtype, stored_dtypes
 from glm5.model.presets import default_model_path
 from glm5.model.quant import check_quantization
 from glm5.parallel import check_divisible
 
 from glm5_worker.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
+from glm5_worker.engine.speculative import AUTO, SpeculativeConfig
 from glm5_worker.kv.sizing import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,20 @@ class ResolvedConfig:
         return self.model.num_nextn_predict_layers if spec is not None and spec.method == "mtp" else 0
 
 
+def _auto_speculation(config: EngineConfig, model: ModelConfig, model_dir: Path) -> SpeculativeConfig | None:
+    """What `--speculative-config auto` means for this checkpoint and replica: its MTP layer drafting where it
+    stores one and the replica is one device (speculation under tensor parallelism is not built yet), else off."""
+    spec = config.speculative
+    assert spec is not None
+    if not model.num_nextn_predict_layers or config.tensor_parallel_size > 1:
+        return None
+    if not all(mtp_layers_stored(model, stored_dtypes(checkpoint_files(model_dir)))):
+        log.warning("%s declares multi-token-prediction layers but does not store them all: no speculative "
+                    "decoding", model_dir)  # fmt: skip
+        return None
+    return dataclasses.replace(spec, method="mtp")
+
+
 def resolve(config: EngineConfig) -> ResolvedConfig:
     device = resolve_device(config.device)
     model_dir = Path(config.model) if config.model else default_model_path()
@@ -84,6 +100,9 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
         model.rope = rope
     check_divisible(model, config.tensor_parallel_size, config.is_expert_parallel)
     spec = config.speculative
+    if spec is not None and spec.method == AUTO:
+        spec = _auto_speculation(config, model, model_dir)
+        config = dataclasses.replace(config, speculative=spec)
     if spec is not None and spec.method == "mtp" and not model.num_nextn_predict_layers:
         raise ConfigError(f"--speculative-config method mtp: {model_dir} has no multi-token-prediction "
                           "layers (config.json num_nextn_predict_layers is 0); use method ngram or none")  # fmt: skip

@@ -106,6 +106,68 @@ def test_mtp_needs_a_checkpoint_with_mtp_weights(tiny_model: Path, checkpoint: P
         make_engine(lost, SpeculativeConfig("mtp", 1))
 
 
+def test_auto_drafts_with_a_stored_mtp_layer_and_is_off_otherwise(tiny_model: Path, checkpoint: Path,
+                                                                   tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                                   ) -> None:  # fmt: skip
+    from glm5_worker.resolved import resolve
+
+    auto = SpeculativeConfig.parse("auto", "cpu")
+    assert auto is not None and auto.method == "auto" and auto.num_speculative_tokens == 3
+    assert auto.disable_by_batch_size == 1 and SpeculativeConfig.parse("auto", "cuda").disable_by_batch_size is None
+    assert SpeculativeConfig.parse('{"method": "auto", "num_speculative_tokens": 2}').num_speculative_tokens == 2
+    # the checkpoint stores its MTP layer: the engine drafts with it, and says so in what it resolved
+    eng = make_engine(checkpoint, auto)
+    assert eng.spec == SpeculativeConfig("mtp", 3, disable_by_batch_size=1) and len(eng.runner.model.mtp_layers) == 1
+    assert eng.resolved.engine.speculative == eng.spec
+    # no MTP layer declared, or declared and not stored: off, the second with a warning
+    assert make_engine(tiny_model, auto).spec is None
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    for f in checkpoint.iterdir():
+        (lost / f.name).write_bytes(f.read_bytes())
+    save_file({k: v for k, v in load_file(lost / "model.safetensors").items() if ".layers.3." not in k},
+              lost / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    with caplog.at_level("WARNING", logger="glm5_worker.resolved"):
+        assert make_engine(lost, auto).spec is None
+    assert any("does not store them all" in r.getMessage() for r in caplog.records)
+    # a replica over several devices: off (resolved only; an explicit mtp there is a configuration error)
+    assert resolve(EngineConfig(model=str(checkpoint), speculative=auto, tensor_parallel_size=2)).engine.speculative \
+        is None  # fmt: skip
+    with pytest.raises(ConfigError, match="one device only"):
+        EngineConfig(model=str(checkpoint), speculative=SpeculativeConfig("mtp", 1), tensor_parallel_size=2)
+
+
+def test_a_weight_update_without_the_mtp_layer_keeps_the_served_one(checkpoint: Path, tmp_path: Path) -> None:
+    """A trainer's policy carries the model, not its drafter: the update replaces the decoder layers and leaves
+    the MTP layer; an update that carries an MTP layer replaces it too."""
+    from glm5_worker.engine.weights import read_checkpoint, swap_in_place
+
+    eng = make_engine(checkpoint, SpeculativeConfig("mtp", 2))
+    live = eng.runner.model
+    mtp_before = {k: v.clone() for k, v in live.model.layers[3].state_dict().items()}
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    for f in checkpoint.iterdir():
+        (policy / f.name).write_bytes(f.read_bytes())
+    tensors = {k: (v * 1.01 if k == "model.norm.weight" else v)
+               for k, v in load_file(checkpoint / "model.safetensors").items() if ".layers.3." not in k}  # fmt: skip
+    save_file(tensors, policy / "model.safetensors", metadata={"format": "pt"})
+    fp = eng.tokenizer.fingerprint
+    new = read_checkpoint(str(policy), eng.model_config, eng.dtype, eng.device, fp, mtp="stored")
+    assert new.mtp_layers == []
+    swap_in_place(live, new)
+    assert torch.equal(live.model.norm.weight, tensors["model.norm.weight"])
+    assert all(torch.equal(v, mtp_before[k]) for k, v in live.model.layers[3].state_dict().items())
+    # one that carries the layer replaces it
+    full = load_file(checkpoint / "model.safetensors")
+    full["model.layers.3.eh_proj.weight"] = full["model.layers.3.eh_proj.weight"] * 2
+    save_file(full, policy / "model.safetensors", metadata={"format": "pt"})
+    swap_in_place(live, read_checkpoint(str(policy), eng.model_config, eng.dtype, eng.device, fp, mtp="stored"))
+    assert torch.equal(live.model.layers[3].eh_proj.weight, full["model.layers.3.eh_proj.weight"])
+    # and the engine still decodes (drafting with the swapped layer)
+    assert len(serve(eng, prompts(1, seed=4), greedy(8))["r0"][-1].token_ids) > 0
+
+
 # the acceptance rule ------------------------------------------------------------------------------------------
 def _chi2_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()

@@ -116,7 +116,7 @@ class Engine:
         self.sampler = Sampler(config.seed, self.device, eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.sampler, eos_token_ids, self.max_model_len)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.spec = config.speculative
+        self.spec = rc.engine.speculative  # `auto` resolved
         if self.spec is not None:
             self.outputs.spec = SpecCounters(self.spec.num_speculative_tokens, self.spec.method)
             log.info("speculative decoding: %s, up to %d draft tokens a step%s", self.spec.method,

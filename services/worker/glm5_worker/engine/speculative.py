@@ -5,6 +5,8 @@ Proposers (vLLM's `--speculative-config` methods and keys):
 - `mtp`: the checkpoint's multi-token-prediction layer(s) (glm5.model.model.MTPLayer), one layer applied
   recursively for k > 1. The engine runs it over every position the target computes, so its own KV rows (cache
   layer index L + i) follow the sequence; those rows only shape drafts, never what is accepted.
+- `auto` (the worker's default): `mtp` with AUTO_SPECULATIVE_TOKENS drafts where the checkpoint stores an MTP
+  layer and the replica runs on one device, else no speculation (glm5_worker.resolved decides at start-up).
 - `ngram`: prompt lookup (vLLM's `ngram`): the tokens that followed the latest earlier occurrence of the
   sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min). No weights: it pays on
   outputs that copy their context (code edits, quotes, extraction).
@@ -34,7 +36,9 @@ from glm5.errors import ConfigError
 from glm5_worker.engine.sampler import Sampler, token_logprob
 from glm5_worker.engine.sequence import Sequence, TokenLogprob
 
-METHODS = ("mtp", "ngram")
+METHODS = ("mtp", "ngram", "auto")
+AUTO = "auto"  # mtp where the checkpoint stores an MTP layer and the replica is one device; else off
+AUTO_SPECULATIVE_TOKENS = 3
 MAX_SPECULATIVE_TOKENS = 8
 _KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "prompt_lookup_max", "prompt_lookup_min"}
 
@@ -76,6 +80,8 @@ class SpeculativeConfig:
         always does (vLLM's default)."""
         if text is None or text.strip().lower() in ("", "none", "null", "off"):
             return None
+        if text.strip().lower() == AUTO:
+            text = json.dumps({"method": AUTO})
         try:
             raw: Any = json.loads(text)
         except ValueError as exc:
@@ -89,6 +95,8 @@ class SpeculativeConfig:
                               f"{', '.join(sorted(_KEYS))})")  # fmt: skip
         if raw.get("method") in ("deepseek_mtp", "glm4_moe_mtp"):  # vLLM's older spellings of the same method
             raw["method"] = "mtp"
+        if raw.get("method") == AUTO:
+            raw.setdefault("num_speculative_tokens", AUTO_SPECULATIVE_TOKENS)
         if "disable_by_batch_size" not in raw and device_type == "cpu":
             raw["disable_by_batch_size"] = CPU_DISABLE_BY_BATCH_SIZE
         return cls(**raw)

@@ -80,17 +80,20 @@ WeightSource = str | SyncSpec | Forwarded  # a checkpoint folder, a sync group, 
 
 
 def read_weights(source: WeightSource, current: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 fingerprint: str, tp: TensorParallel = SINGLE) -> GlmMoeDsaForCausalLM:  # fmt: skip
-    """This rank's shard of the new weights, from wherever they come (blocking: off the engine thread)."""
+                 fingerprint: str, tp: TensorParallel = SINGLE, mtp: str = "skip") -> GlmMoeDsaForCausalLM:  # fmt: skip
+    """This rank's shard of the new weights, from wherever they come (blocking: off the engine thread). `mtp`:
+    "stored" on a worker that drafts with its MTP layers (an update that carries them replaces them; one that
+    does not, a trainer's policy, leaves the served ones: swap_in_place)."""
     if isinstance(source, Forwarded):
         source = source.for_rank(tp.rank)
     if isinstance(source, SyncSpec):
-        return receive_checkpoint(source, current, dtype, device, fingerprint, tp)
-    return read_checkpoint(source, current, dtype, device, fingerprint, tp)
+        return receive_checkpoint(source, current, dtype, device, fingerprint, tp, mtp)
+    return read_checkpoint(source, current, dtype, device, fingerprint, tp, mtp)
 
 
 def receive_checkpoint(spec: SyncSpec, current: ModelConfig, dtype: torch.dtype, device: torch.device,
-                       fingerprint: str, tp: TensorParallel = SINGLE) -> GlmMoeDsaForCausalLM:  # fmt: skip
+                       fingerprint: str, tp: TensorParallel = SINGLE,
+                       mtp: str = "skip") -> GlmMoeDsaForCausalLM:  # fmt: skip
     """Joins the trainer's group and builds this rank's shard from the buckets as they arrive (two buckets in
     memory at a time); the served geometry, so a tensor of another shape fails the update."""
     if spec.tokenizer_fingerprint and spec.tokenizer_fingerprint != fingerprint:
@@ -110,7 +113,7 @@ def receive_checkpoint(spec: SyncSpec, current: ModelConfig, dtype: torch.dtype,
         log.info("weight sync %s: rank %d receives %d of the version's %d bytes", spec.group, tp.rank, coming,
                  manifest.nbytes)  # fmt: skip
         return build_model(current, receiver.tensors(), manifest.dtypes(), dtype, device, tp=tp, quant=quant,
-                           total_bytes=coming, source=f"weight sync {spec.group}")  # fmt: skip
+                           total_bytes=coming, source=f"weight sync {spec.group}", mtp=mtp)  # fmt: skip
     except BaseException:
         receiver.close()  # the trainer's broadcast to this group fails now rather than at its timeout
         raise
@@ -192,6 +195,7 @@ def read_checkpoint(
     device: torch.device,
     fingerprint: str,
     tp: TensorParallel = SINGLE,
+    mtp: str = "skip",
 ) -> GlmMoeDsaForCausalLM:
     """The new weights (this rank's shard) as a model on the serving device (blocking: run it off the engine
     thread). A checkpoint that ships a tokenizer must ship the served one: token ids would silently change
@@ -206,14 +210,19 @@ def read_checkpoint(
         raise CheckpointError(f"{location} has another geometry than the served model ({'; '.join(diff)})")
     if (path / "tokenizer.json").is_file() and Tokenizer(path).fingerprint != fingerprint:
         raise CheckpointError(f"{location} has another tokenizer than the served model (fingerprint differs)")
-    return load_model(path, dtype, device, rope=current.rope, tp=tp)
+    return load_model(path, dtype, device, rope=current.rope, tp=tp, mtp=mtp)
 
 
 @torch.no_grad()
 def swap_in_place(live: GlmMoeDsaForCausalLM, new: GlmMoeDsaForCausalLM) -> int:
-    """Copies every parameter and buffer of `new` into `live` (same names, shapes, dtypes); returns bytes."""
+    """Copies every parameter and buffer of `new` into `live` (same names, shapes, dtypes); returns bytes. The
+    live model's MTP layers stay as they are when `new` has none (a policy trains the model, not its drafter: a
+    stale drafter only lowers acceptance, never changes what is accepted)."""
     target = {**dict(live.named_parameters()), **dict(live.named_buffers())}
     source = {**dict(new.named_parameters()), **dict(new.named_buffers())}
+    if live.mtp_layers and not new.mtp_layers:
+        first = live.config.num_hidden_layers
+        target = {k: v for k, v in target.items() if not _in_layers_from(k, first)}
     if set(target) != set(source):
         raise CheckpointError(f"tensor names differ: {sorted(set(target) ^ set(source))[:4]}")
     moved = 0
@@ -221,3 +230,8 @@ def swap_in_place(live: GlmMoeDsaForCausalLM, new: GlmMoeDsaForCausalLM) -> int:
         tensor.copy_(source[name])
         moved += tensor.numel() * tensor.element_size()
     return moved
+
+
+def _in_layers_from(name: str, first: int) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= first

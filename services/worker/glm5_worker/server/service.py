@@ -364,7 +364,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             new, failure = None, None
             try:
                 read = functools.partial(read_weights, source, eng.model_config, eng.dtype, eng.device,
-                                         eng.tokenizer.fingerprint, eng.tp)  # fmt: skip
+                                         eng.tokenizer.fingerprint, eng.tp,
+                                         "stored" if eng.runner.model.mtp_layers else "skip")  # fmt: skip
                 # a thread that ends with the read: a live executor thread that ran torch slows every step
                 new = await asyncio.wrap_future(in_own_thread(read, "glm5-weights"))
             except (InvalidRequestError, CheckpointError, ConfigError) as exc:
