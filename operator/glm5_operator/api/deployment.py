@@ -147,6 +147,11 @@ class CircuitBreaker(Spec):
     kv_fragmentation: float = Field(0.65, ge=0, le=1, description="Open when KV fragmentation stays above.")
     entropy_drift: float = Field(0.12, ge=0, description="Open when attention-entropy drift stays above.")
     token_jitter_ms: float = Field(150.0, ge=0, description="Open when per-token latency jitter stays above.")
+    spec_window_tokens: int = Field(256, ge=1, description="Draft tokens per speculative-acceptance window.")
+    spec_acceptance_drop: float = Field(0.5, ge=0, lt=1, description="Degrade a worker whose window's acceptance "
+                                        "falls below this times its own baseline (0: off).")  # fmt: skip
+    spec_acceptance_max: float = Field(0.96, gt=0, le=1, description="Degrade a worker whose window's acceptance "
+                                       "is above this (implausible: Z.ai's garbled-output signal).")  # fmt: skip
     sustained_seconds: float = Field(30.0, ge=0, description="How long a signal must stay over its threshold.")
     half_open_share: float = Field(0.05, gt=0, le=1, description="Share of traffic admitted as probes.")
 

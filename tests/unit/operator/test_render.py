@@ -143,7 +143,8 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
         "model": {"path": "/m", "servedName": "glm-5", "maxNewTokens": 300},
         "router": {"batching": {"tokenBudget": 4096, "maxWaitMs": 2}, "queues": {"maxQueued": 50},
                    "redis": {"urlSecret": {"name": "redis", "key": "url"}},
-                   "circuitBreaker": {"kvFragmentation": 0.7, "sustainedSeconds": 10}, "sm4KeySecret": "keys",
+                   "circuitBreaker": {"kvFragmentation": 0.7, "sustainedSeconds": 10, "specWindowTokens": 512,
+                                      "specAcceptanceDrop": 0.4, "specAcceptanceMax": 0.99}, "sm4KeySecret": "keys",
                    "thinkingPolicy": "deep"},
     })  # fmt: skip
     (cm,) = [c.manifest for c in deployment_children("glm5", "ml", spec, CONFIG) if c.name == "glm5-router-config"]
@@ -169,6 +170,8 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
     assert router.redis_url == "redis://:pw@redis.ml.svc:6379/0"  # from the Secret, as a file
     assert "pw" not in repr(router)
     assert router.breaker.kv_fragmentation == 0.7 and router.breaker.sustained_s == 10
+    b = router.breaker
+    assert (b.spec_window_tokens, b.spec_acceptance_drop, b.spec_acceptance_max) == (512, 0.4, 0.99)
     assert router.sm4_key_dir == "/etc/glm5/sm4" and router.thinking_policy == "deep"
     assert router.default_max_new_tokens == 300
 

@@ -6,6 +6,7 @@ preemption, stop rules inside an accepted run, and requests that may not specula
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -310,3 +311,36 @@ def test_requests_that_may_not_speculate_and_sampled_ones(checkpoint: Path) -> N
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_new_tokens=25, ignore_eos=True)
     runs = [tokens(serve(make_engine(checkpoint, spec), ps[:1], sampled)["r0"]) for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 25
+
+
+def test_structured_output_speculates_with_each_row_masked(checkpoint: Path) -> None:
+    """Under an output format every verify row is masked as the format stands after the drafts before it: the
+    same greedy tokens and log-probs as without speculation, drafts accepted inside the format (prompt lookup on a
+    repetitive format) and across a thinking block's end (MTP drafts), and sampled outputs held to the format."""
+    from glm5_worker.engine.structured import OutputFormat
+
+    regex = r"\[(red|green|blue)(, (red|green|blue)){15}\]"
+    prompt = prompts(1, seed=8)
+    fmt = OutputFormat("regex", regex)
+    plain = make_engine(checkpoint, None)
+    free = tokens(serve(plain, prompt, greedy(12))["r0"])
+    thinking = OutputFormat("regex", regex, think_close=free[4], starts_thinking=True)
+    for spec, f in ((SpeculativeConfig("ngram", 3), fmt), (SpeculativeConfig("mtp", 2), thinking)):
+        params = SamplingParams(temperature=0.0, max_new_tokens=120, output_format=f, logprobs=True)
+        want = serve(make_engine(checkpoint, None), prompt, params)["r0"]
+        engine = make_engine(checkpoint, spec)
+        have = serve(engine, prompt, params)["r0"]
+        assert tokens(have) == tokens(want) and have[-1].stop_reason == "structured_output"
+        lp = [x.logprob for o in have for x in o.logprobs]
+        assert lp == pytest.approx([x.logprob for o in want for x in o.logprobs], abs=1e-4)
+        text = "".join(o.text for o in have)
+        assert re.fullmatch(regex, text if f is fmt else engine.tokenizer.decode(tokens(have)[5:])), text
+        stats = engine.stats().speculative
+        assert stats is not None and stats.drafted > 0
+        if spec.method == "ngram":
+            assert stats.accepted > 0
+    sampled = SamplingParams(temperature=1.0, seed=9, max_new_tokens=120, output_format=fmt)
+    engine = make_engine(checkpoint, SpeculativeConfig("ngram", 3))
+    runs = ["".join(o.text for o in serve(engine, prompt, sampled)["r0"]) for _ in range(2)]
+    assert runs[0] == runs[1] and re.fullmatch(regex, runs[0]), runs[0]
+    assert engine.stats().speculative.accepted > 0  # type: ignore[union-attr]

@@ -30,7 +30,7 @@ from glm5.tokenizer import IncrementalDetokenizer, Tokenizer
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.compiled import CompiledDecode
 from glm5_worker.engine.model_runner import ModelRunner, RankMemory, StepPlan
-from glm5_worker.engine.output_processor import OutputProcessor, RequestOutput
+from glm5_worker.engine.output_processor import OutputProcessor, RequestOutput, format_prefix
 from glm5_worker.engine.sampler import Sampler
 from glm5_worker.engine.scheduler import ScheduledStep, Scheduler
 from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -453,6 +453,10 @@ class Engine:
                     seq.draft_probs = [None] * len(seq.draft_ids)
         elif not off:
             self._mtp_drafts([s for s in scheduled if not s.is_finished], starts, drafters)
+        for seq in scheduled:  # a greedy draft the format refuses is rejected: no verify rows for it and after
+            if seq.draft_ids and seq.matcher is not None and seq.params.is_greedy:
+                n = format_prefix(seq, seq.draft_ids)
+                seq.draft_ids, seq.draft_probs = seq.draft_ids[:n], seq.draft_probs[:n]
 
     def _draft_slots(self, seq: Sequence, j: int) -> int:
         """Drafts whose verify rows (and MTP rows) have KV slots: blocks for them now, fewer when the pool is

@@ -3,7 +3,9 @@ detokenisation), sequences into the outputs callers stream (vLLM's output proces
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -76,10 +78,12 @@ class OutputProcessor:
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Accepts a prefix of the sequence's drafts and appends it with the target's next token; the positions
-        of the accepted tokens' predecessors are computed (their KV rows hold), the rest are written over later."""
+        of the accepted tokens' predecessors are computed (their KV rows hold), the rest are written over later.
+        Under an output format each row is masked as the format stands after the drafts before it."""
         drafts, probs = seq.draft_ids, seq.draft_probs
         seq.draft_ids, seq.draft_probs = [], []
-        picks, accepted = verify(logits, drafts, probs, seq, self.sampler)
+        constrained = self._constrained_rows(seq, logits, drafts) if seq.matcher is not None else None
+        picks, accepted = verify(logits, drafts, probs, seq, self.sampler, constrained)
         if self.spec is not None:
             self.spec.record(len(drafts), accepted)
         seq.num_computed_tokens += len(picks)
@@ -87,6 +91,17 @@ class OutputProcessor:
             self._append_token(seq, pick)
             if seq.is_finished:  # EOS, a stop string or the length limit inside the accepted run ends it there
                 break
+
+    def _constrained_rows(self, seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """The verify rows with the format's mask: row i as the format stands after drafts[:i]. Rows after a draft
+        the format refuses are never read (that draft is rejected: its probability is 0) and stay unmasked."""
+        rows = [logits.float()[i : i + 1] for i in range(len(drafts) + 1)]
+        with drafts_applied(seq) as advance:
+            for i in range(len(drafts) + 1):
+                rows[i] = self.sampler.constrain(rows[i], [seq])
+                if i < len(drafts) and not advance(drafts[i]):
+                    break
+        return torch.cat(rows)
 
     def _prompt_logprobs(self, seq: Sequence, chunk_logits: torch.Tensor, p0: int) -> None:
         lp = torch.log_softmax(chunk_logits.float(), dim=-1)
@@ -178,3 +193,46 @@ class OutputProcessor:
             seq.request_id, [], "", [], [], FinishReason.ABORT, stop_reason, len(seq.prompt_ids),
             len(seq.output_ids), seq.num_cached_prompt_tokens, weight_version,
         )  # fmt: skip
+
+
+@contextlib.contextmanager
+def drafts_applied(seq: Sequence) -> Iterator[Callable[[int], bool]]:
+    """Within the block, `advance(token)` moves the sequence's output format past a draft token if the format
+    allows it there (as OutputProcessor._advance_format would: a thinking block stays free), else returns False
+    and moves nothing; on leaving, the format is back where it was (the matcher rolled back)."""
+    fmt, matcher = seq.params.output_format, seq.matcher
+    assert fmt is not None and matcher is not None
+    phase, consumed = seq.format_phase, 0
+
+    def advance(token: int) -> bool:
+        nonlocal consumed
+        if seq.format_phase == "thinking":
+            if token == fmt.think_close:
+                seq.format_phase = "format"
+            return True
+        if seq.format_phase == "start" and token == fmt.think_open:
+            seq.format_phase = "thinking"
+            return True
+        if matcher.is_stopped() or matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
+            return False
+        seq.format_phase = "format"
+        consumed += 1
+        return True
+
+    try:
+        yield advance
+    finally:
+        if consumed:
+            matcher.rollback(consumed)
+        seq.format_phase = phase
+
+
+def format_prefix(seq: Sequence, drafts: list[int]) -> int:
+    """How many of the drafts, from the first, the sequence's output format allows in turn."""
+    n = 0
+    with drafts_applied(seq) as advance:
+        for d in drafts:
+            if not advance(d):
+                break
+            n += 1
+    return n

@@ -25,7 +25,7 @@ class Sampler:
         logits = logits.float()
         need_lp = any(s.params.logprobs for s in seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
-        processed = self._constrain(self._penalise(logits, seqs), seqs)
+        processed = self.constrain(self._penalise(logits, seqs), seqs)
         greedy = [s.params.is_greedy for s in seqs]
         tokens: list[int] = []
         if all(greedy):
@@ -90,7 +90,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def constrain(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Structured output: -inf for every token a constrained sequence's format does not allow next."""
         rows = [i for i, s in enumerate(seqs) if s.matcher is not None and s.format_phase != "thinking"]
         if not rows:

@@ -19,9 +19,12 @@ Acceptance (Leviathan et al. 2023; Chen et al. 2023): greedy requests keep the l
 the target's argmax and then the target's own token; sampled ones accept draft d at row i with probability
 min(1, p_i(d) / q_i(d)) and on the first rejection draw from the normalised residual max(0, p_i - q_i); when every
 draft is accepted one more token comes from the last row. p is the target's distribution after temperature,
-top-k and top-p, q the proposer's (one-hot for ngram and greedy MTP drafts). Requests whose next-token rule
-depends on the tokens before it within the step (penalties, logit bias, min_tokens, a structured output format)
-decode one token per step for now.
+top-k and top-p, q the proposer's (one-hot for ngram and greedy MTP drafts). Under a structured output format
+every verify row is masked as the format stands after the drafts before it (the matcher advanced through them,
+then rolled back; the emitted tokens then advance it as any token does), and a greedy request's drafts are cut
+at the first one the format refuses; a sampled request's stay, the refused one rejected by the rule (p = 0), so
+the law is unchanged. Requests whose next-token rule depends on the tokens before it in other ways (penalties,
+logit bias, min_tokens) decode one token per step.
 """
 
 from __future__ import annotations
@@ -111,8 +114,7 @@ def can_speculate(seq: Sequence) -> bool:
     position of a step (module docstring)."""
     p = seq.params
     return (
-        seq.matcher is None
-        and p.repetition_penalty == 1.0
+        p.repetition_penalty == 1.0
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and not p.logit_bias
@@ -197,22 +199,29 @@ def draft_token(logits: torch.Tensor, seq: Sequence, sampler: Sampler) -> tuple[
 
 
 def verify(
-    logits: torch.Tensor, drafts: list[int], q: list[torch.Tensor | None], seq: Sequence, sampler: Sampler
+    logits: torch.Tensor,
+    drafts: list[int],
+    q: list[torch.Tensor | None],
+    seq: Sequence,
+    sampler: Sampler,
+    constrained: torch.Tensor | None = None,
 ) -> tuple[list[TokenLogprob], int]:
     """The target's logits (j + 1, V) over the verify rows -> the tokens to append (accepted drafts, then the
     target's token) with the target's own logprobs, and how many drafts were accepted. `q[i]`: the proposer's
-    distribution of draft i (None: one-hot on it)."""
+    distribution of draft i (None: one-hot on it). `constrained`: the rows with an output format's masks, which
+    decide (the logprobs are the unmasked ones, as without speculation)."""
     j = len(drafts)
     logits = logits.float()
+    decide = logits if constrained is None else constrained
     tokens: list[int] = []
     if seq.params.is_greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = decide.argmax(dim=-1).tolist()
         accepted = 0
         while accepted < j and drafts[accepted] == target[accepted]:
             accepted += 1
         tokens = [*drafts[:accepted], target[accepted]]
     else:
-        p = sampler.filtered_probs(logits, [seq] * (j + 1))
+        p = sampler.filtered_probs(decide, [seq] * (j + 1))
         accepted = 0
         for i, d in enumerate(drafts):
             qi = q[i]
