@@ -128,9 +128,6 @@ class EngineConfig:
             raise ConfigError(f"--master-port must be in [0, 65535], got {self.master_port}")
         if self.collective_timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ConfigError("--collective-timeout and --startup-timeout must be > 0 seconds")
-        if self.speculative is not None and self.speculative.method != "auto" and n > 1:
-            # the draft passes follow each step's acceptance, which only rank 0 knows: not sent to the ranks yet
-            raise ConfigError("--speculative-config runs on one device only so far (--tensor-parallel-size 1)")
 
     @property
     def is_expert_parallel(self) -> bool:

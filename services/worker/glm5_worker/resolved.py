@@ -72,11 +72,11 @@ class ResolvedConfig:
 
 
 def _auto_speculation(config: EngineConfig, model: ModelConfig, model_dir: Path) -> SpeculativeConfig | None:
-    """What `--speculative-config auto` means for this checkpoint and replica: its MTP layer drafting where it
-    stores one and the replica is one device (speculation under tensor parallelism is not built yet), else off."""
+    """What `--speculative-config auto` means for this checkpoint: its MTP layer drafting where it stores one,
+    else no speculation."""
     spec = config.speculative
     assert spec is not None
-    if not model.num_nextn_predict_layers or config.tensor_parallel_size > 1:
+    if not model.num_nextn_predict_layers:
         return None
     if not all(mtp_layers_stored(model, stored_dtypes(checkpoint_files(model_dir)))):
         log.warning("%s declares multi-token-prediction layers but does not store them all: no speculative "

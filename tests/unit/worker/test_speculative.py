@@ -131,11 +131,9 @@ def test_auto_drafts_with_a_stored_mtp_layer_and_is_off_otherwise(tiny_model: Pa
     with caplog.at_level("WARNING", logger="glm5_worker.resolved"):
         assert make_engine(lost, auto).spec is None
     assert any("does not store them all" in r.getMessage() for r in caplog.records)
-    # a replica over several devices: off (resolved only; an explicit mtp there is a configuration error)
-    assert resolve(EngineConfig(model=str(checkpoint), speculative=auto, tensor_parallel_size=2)).engine.speculative \
-        is None  # fmt: skip
-    with pytest.raises(ConfigError, match="one device only"):
-        EngineConfig(model=str(checkpoint), speculative=SpeculativeConfig("mtp", 1), tensor_parallel_size=2)
+    # a replica over several devices drafts too (resolved only here: test_tensor_parallel_speculation runs one)
+    tp2 = resolve(EngineConfig(model=str(checkpoint), speculative=auto, tensor_parallel_size=2))
+    assert tp2.engine.speculative == eng.spec and tp2.mtp_layers == 1
 
 
 def test_a_weight_update_without_the_mtp_layer_keeps_the_served_one(checkpoint: Path, tmp_path: Path) -> None:
@@ -344,3 +342,29 @@ def test_structured_output_speculates_with_each_row_masked(checkpoint: Path) -> 
     runs = ["".join(o.text for o in serve(engine, prompt, sampled)["r0"]) for _ in range(2)]
     assert runs[0] == runs[1] and re.fullmatch(regex, runs[0]), runs[0]
     assert engine.stats().speculative.accepted > 0  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_speculation_drafts_and_accepts_as_one_device(checkpoint: Path) -> None:
+    """A replica of two ranks (gloo, a process each): the MTP passes run on both ranks' shards and give the drafts
+    one device gives (the same counters), the tokens and log-probs are those without speculation; prompt lookup
+    too, with drafts accepted."""
+    ps = prompts(3, seed=31)
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True, logprobs=True)
+    want = serve(make_engine(checkpoint, None), ps, params)
+    for spec in (SpeculativeConfig("mtp", 2), SpeculativeConfig("ngram", 3)):
+        one = make_engine(checkpoint, spec)
+        one_out = serve(one, ps, params)
+        replica = make_engine(checkpoint, spec, tensor_parallel_size=2)
+        try:
+            have = serve(replica, ps, params)
+            counts = replica.stats().speculative
+        finally:
+            replica.close()
+        for rid, outs in want.items():
+            assert tokens(have[rid]) == tokens(outs) == tokens(one_out[rid])
+            got = [x.logprob for o in have[rid] for x in o.logprobs]
+            assert got == pytest.approx([x.logprob for o in outs for x in o.logprobs], abs=1e-4)
+        mine = one.stats().speculative
+        assert counts is not None and mine is not None and counts.drafted > 0
+        assert (counts.drafted, counts.accepted, counts.by_position) == (mine.drafted, mine.accepted, mine.by_position)

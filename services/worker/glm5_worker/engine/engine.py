@@ -41,6 +41,7 @@ from glm5_worker.engine.validation import Limits, validate_params, validate_prom
 from glm5_worker.engine.weights import Forwarder, WeightSource
 from glm5_worker.kv.block_manager import BlockManager, KVStats
 from glm5_worker.parallel.driver import ReplicaDriver, start_replica
+from glm5_worker.parallel.protocol import Draft
 from glm5_worker.parallel.replica import ReplicaFailure
 from glm5_worker.resolved import resolve
 
@@ -503,7 +504,7 @@ class Engine:
             return
         order = [s for s in seqs if id(s) in drafters]
         plan = StepPlan(ids, positions, slots, tables, lengths, prefills, [last[id(s)] for s in order])
-        logits, out = self.runner.draft(plan, hidden[take], 0)
+        logits, out = self._draft_pass(plan, hidden[take], Draft(plan, 0, take=take))
         out = out[plan.logits_rows]
         for i, seq in enumerate(order):
             token, q = draft_token(logits[i], seq, self.sampler)
@@ -516,11 +517,21 @@ class Engine:
             plan = StepPlan([s.draft_ids[-1] for s in order], pos, [self.blocks.slot(s, p) for s, p in
                             zip(order, pos, strict=True)], [s.block_table for s in order], [p + 1 for p in pos], [],
                             list(range(len(order))))  # fmt: skip
-            logits, out = self.runner.draft(plan, out, step)
+            logits, out = self._draft_pass(plan, out, Draft(plan, step, keep=keep))
             for i, seq in enumerate(order):
                 token, q = draft_token(logits[i], seq, self.sampler)
                 seq.draft_ids.append(token)
                 seq.draft_probs.append(q)
+
+    def _draft_pass(self, plan: StepPlan, hidden: torch.Tensor, message: Draft) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MTP pass on rank 0, and on the other ranks of a replica (`message` says which rows they read)."""
+        if self.replica is None:
+            return self.runner.draft(plan, hidden, message.step)
+        self.replica.draft(message)
+        try:
+            return self.runner.draft(plan, hidden, message.step)
+        except Exception as exc:
+            raise ReplicaFailure(f"rank 0 failed a draft pass: {exc}") from exc
 
     # introspection ------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -6,7 +6,11 @@ Proposers (vLLM's `--speculative-config` methods and keys):
   recursively for k > 1. The engine runs it over every position the target computes, so its own KV rows (cache
   layer index L + i) follow the sequence; those rows only shape drafts, never what is accepted.
 - `auto` (the worker's default): `mtp` with AUTO_SPECULATIVE_TOKENS drafts where the checkpoint stores an MTP
-  layer and the replica runs on one device, else no speculation (glm5_worker.resolved decides at start-up).
+  layer, else no speculation (glm5_worker.resolved decides at start-up).
+
+Under tensor parallelism the verify rows are decode rows of the step every rank runs, and each MTP pass is sent to
+the other ranks (parallel.protocol.Draft: which rows of the replicated hidden states it reads); only rank 0 picks
+drafts and accepts.
 - `ngram`: prompt lookup (vLLM's `ngram`): the tokens that followed the latest earlier occurrence of the
   sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min). No weights: it pays on
   outputs that copy their context (code edits, quotes, extraction).
@@ -40,7 +44,7 @@ from glm5_worker.engine.sampler import Sampler, token_logprob
 from glm5_worker.engine.sequence import Sequence, TokenLogprob
 
 METHODS = ("mtp", "ngram", "auto")
-AUTO = "auto"  # mtp where the checkpoint stores an MTP layer and the replica is one device; else off
+AUTO = "auto"  # mtp where the checkpoint stores an MTP layer; else off
 AUTO_SPECULATIVE_TOKENS = 3
 MAX_SPECULATIVE_TOKENS = 8
 _KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "prompt_lookup_max", "prompt_lookup_min"}

@@ -22,7 +22,7 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.model_runner import RankMemory, StepPlan
 from glm5_worker.engine.weights import WeightSource
 from glm5_worker.parallel.follower import STOP_WAIT_S, WeightsOutcome, spawn_followers
-from glm5_worker.parallel.protocol import LoadWeights, Message, Stats, Step, Stop, SwapWeights, Tick
+from glm5_worker.parallel.protocol import Draft, LoadWeights, Message, Stats, Step, Stop, SwapWeights, Tick
 from glm5_worker.parallel.replica import (
     Replica,
     ReplicaFailure,
@@ -65,6 +65,9 @@ class ReplicaDriver:
 
     def step(self, plan: StepPlan) -> None:
         self._send(Step(plan))
+
+    def draft(self, message: Draft) -> None:
+        self._send(message)
 
     def tick(self, demotions: list[tuple[int, int]]) -> None:
         """While idle: demotions at once, and a heartbeat at least every heartbeat_s."""

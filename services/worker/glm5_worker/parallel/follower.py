@@ -24,7 +24,7 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.model_runner import ModelRunner
 from glm5_worker.engine.threads import in_own_thread
 from glm5_worker.engine.weights import read_weights
-from glm5_worker.parallel.protocol import LoadWeights, Stats, Step, Stop, SwapWeights, Tick
+from glm5_worker.parallel.protocol import Draft, LoadWeights, Stats, Step, Stop, SwapWeights, Tick
 from glm5_worker.parallel.replica import Replica, join, rank_of, rendezvous
 from glm5_worker.resolved import ResolvedConfig, resolve
 
@@ -37,6 +37,7 @@ class Follower:
     def __init__(self, runner: ModelRunner, replica: Replica, rc: ResolvedConfig) -> None:
         self.runner, self.replica, self.rc = runner, replica, rc
         self._reading: Future[GlmMoeDsaForCausalLM] | None = None
+        self._draft_out: torch.Tensor | None = None  # the last MTP pass's output rows (the next pass reads them)
 
     def run(self) -> int:
         channel = self.replica.channel
@@ -46,12 +47,15 @@ class Follower:
                 if msg.plan.demotions:
                     self.runner.demote(msg.plan.demotions)
                 self.runner.execute(msg.plan)
+            elif isinstance(msg, Draft):
+                self._draft(msg)
             elif isinstance(msg, Tick):
                 if msg.demotions:
                     self.runner.demote(msg.demotions)
             elif isinstance(msg, LoadWeights):
                 read = functools.partial(read_weights, msg.source, self.rc.model, self.rc.dtype,
-                                         self.runner.device, msg.tokenizer_fingerprint, self.replica.tp)  # fmt: skip
+                                         self.runner.device, msg.tokenizer_fingerprint, self.replica.tp,
+                                         "stored" if self.runner.model.mtp_layers else "skip")  # fmt: skip
                 # a thread that ends with the read: a live thread that ran torch slows every step (threads.py)
                 self._reading = in_own_thread(read, "glm5-weights")
             elif isinstance(msg, SwapWeights):
@@ -62,6 +66,18 @@ class Follower:
                 return 0
             else:
                 raise TypeError(f"unknown message {type(msg).__name__}")
+
+    def _draft(self, msg: Draft) -> None:
+        """The MTP pass rank 0 runs, on this rank's shard: the same rows of the same hidden states (replicated
+        across the ranks), so the collectives inside match and rank 0 gets the whole vocabulary's logits."""
+        if msg.step == 0:
+            assert self.runner.hidden is not None, "a draft pass after a step that kept no hidden states"
+            hidden = self.runner.hidden[msg.take]
+        else:
+            assert self._draft_out is not None
+            hidden = self._draft_out[msg.keep]
+        _, out = self.runner.draft(msg.plan, hidden, msg.step)
+        self._draft_out = out[msg.plan.logits_rows] if msg.step == 0 else out
 
     def _swap(self, version: int) -> None:
         new, outcome = None, (False, "no LoadWeights before SwapWeights")

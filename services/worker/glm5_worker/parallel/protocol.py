@@ -14,6 +14,17 @@ class Step:
 
 
 @dataclass(slots=True)
+class Draft:
+    """An MTP pass (ModelRunner.draft) after a step: the first reads the step's hidden states at rows `take`, a
+    later one the previous pass's output at rows `keep` (the sequences still drafting)."""
+
+    plan: StepPlan
+    step: int
+    take: list[int] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Tick:
     """Rank 0 is idle: proof of life (a follower's wait would time out otherwise), plus demotions to apply."""
 
@@ -45,4 +56,4 @@ class Stop:
     pass
 
 
-Message = Step | Tick | LoadWeights | SwapWeights | Stats | Stop
+Message = Step | Draft | Tick | LoadWeights | SwapWeights | Stats | Stop
