@@ -1,14 +1,16 @@
 """Speculative decoding (issue 36): per-token time at batch 1 with k = 0..3 draft tokens, in one process.
 
-Batch 1 after a ~1K-token context (few-shot additions, which the model continues), greedy, `--new` tokens:
-milliseconds per generated token after the first (the decode phase), milliseconds per engine step (a step
-verifies the sequence and its k drafts as k + 1 rows), the mean accepted length (tokens a verify step emits)
-and the acceptance rate, for prompt lookup (ngram) and, when the checkpoint has an MTP layer, mtp. Then
-throughput (generated tokens over wall time, medians of interleaved runs) at larger batches, without
-speculation, with it, and with `disable_by_batch_size` turning it off above a batch size. Greedy tokens are
-compared with the run without speculation (the share of sequences with every token equal).
+Batch 1: `--questions` held-out tool problems in turn (tools written in ways the model never saw; the longest
+prompts, ~190 tokens: the demo model was trained on episodes of a few hundred tokens and answers longer chats
+badly), the model's first turn (thinking and a call) to its end, greedy: milliseconds per generated token after
+the first (the decode phase), milliseconds per engine step (a step verifies the sequence and its k drafts as
+k + 1 rows), the mean accepted length (tokens a verify step emits) and the acceptance rate, for prompt lookup
+(ngram) and, when the checkpoint has an MTP layer, mtp. Then throughput (generated tokens over wall time, `--new`
+tokens each after a `--context`-token few-shot prompt, EOS ignored, medians of interleaved runs) at larger
+batches, without speculation, with it, and with `disable_by_batch_size` turning it off above a batch size.
+Greedy tokens are compared with the run without speculation (the share of sequences with every token equal).
 
-Usage: python benchmarks/speculative.py [--model DIR] [--context 1024] [--new 64] [--k 1,2,3] [--runs 3]
+Usage: python benchmarks/speculative.py [--model DIR] [--context 1024] [--questions 6] [--new 64] [--k 1,2,3] [--runs 3]
                                         [--batches 1,2,4,8,32] [--disable-by-batch-size 1] [--enforce-eager]
        python benchmarks/speculative.py --smoke    # 128-token context, 16 new tokens, k 1 and 3, eager
 """
@@ -25,6 +27,8 @@ from pathlib import Path
 
 from glm5.model.presets import default_model_path
 from glm5.tokenizer.tokenizer import Tokenizer
+from glm5_trainer.environment import prompt_ids
+from glm5_trainer.tool_family import held_out_problems
 from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
@@ -39,19 +43,31 @@ class Run:
     acceptance: float
     tokens: list[list[int]]
     wall_s: float
+    steps: int = 0  # decode steps
+    verify_steps: int = 0  # sequence-steps that verified drafts
+    accepted: int = 0
+    drafted: int = 0
 
 
 def context(tok: Tokenizer, length: int, index: int = 0) -> list[int]:
-    """Few-shot additions up to `length` tokens, ending where the next problem starts."""
+    """Few-shot additions up to `length` tokens, ending where the next problem starts (throughput prompts: the
+    model continues them, EOS ignored)."""
     lines: list[str] = []
     ids: list[int] = []
     i = 0
     while len(ids) < length:
-        a, b = (37 * (i + index) + 11) % 90 + 10, (53 * (i + index) + 7) % 90 + 10
+        a, b = (37 * (i + index) + 11) % 90 + 10, (53 * (i + 2 * index) + 7) % 97 + 3
         lines.append(f"What is {a} + {b}? The answer is {a + b}.\n")
         ids = tok.encode("".join(lines))
         i += 1
     return ids[:length]
+
+
+def questions(tok: Tokenizer, n: int) -> list[list[int]]:
+    """The `n` longest prompts (the question and the tools' JSON through the chat template) of the held-out tool
+    problems (tools written in ways the model never saw, 1-4 digit operands): an agent's first turn."""
+    problems = [p for ps in held_out_problems(per_bucket=60).values() for p in ps]
+    return sorted((prompt_ids(tok, p) for p in problems), key=len)[-n:]
 
 
 def engine(model: Path, spec: SpeculativeConfig | None, eager: bool, cache: Path, max_len: int) -> Engine:
@@ -62,8 +78,8 @@ def engine(model: Path, spec: SpeculativeConfig | None, eager: bool, cache: Path
                                enable_prefix_caching=False))  # fmt: skip
 
 
-def run(eng: Engine, prompts: list[list[int]], new: int) -> Run:
-    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+def run(eng: Engine, prompts: list[list[int]], new: int, ignore_eos: bool = True) -> Run:
+    params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=ignore_eos)
     before = eng.stats().speculative
     s0, d0, a0 = (before.steps, before.drafted, before.accepted) if before else (0, 0, 0)
     start = time.perf_counter()
@@ -93,7 +109,25 @@ def run(eng: Engine, prompts: list[list[int]], new: int) -> Run:
         acceptance=a / d if d else 0.0,
         tokens=[outs[f"r{i}"] for i in range(len(prompts))],
         wall_s=end - start,
+        steps=steps,
+        verify_steps=s,
+        accepted=a,
+        drafted=d,
     )
+
+
+def merge(runs: list[Run]) -> Run:
+    """Several one-sequence runs (one question after another) as one: totals over all of them."""
+    tokens = sum(len(r.tokens[0]) - 1 for r in runs)
+    decode_ms = sum(r.ms_per_token * max(len(r.tokens[0]) - 1, 1) for r in runs)
+    steps = sum(r.steps for r in runs)
+    verify = sum(r.verify_steps for r in runs)
+    accepted = sum(r.accepted for r in runs)
+    drafted = sum(r.drafted for r in runs)
+    return Run(ms_per_token=decode_ms / max(tokens, 1), ms_per_step=decode_ms / max(steps, 1),
+               accepted_length=1 + accepted / verify if verify else 1.0, acceptance=accepted / drafted if drafted
+               else 0.0, tokens=[t for r in runs for t in r.tokens], wall_s=sum(r.wall_s for r in runs),
+               steps=steps, verify_steps=verify, accepted=accepted, drafted=drafted)  # fmt: skip
 
 
 def has_mtp(model: Path) -> bool:
@@ -105,7 +139,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="checkpoint (default: the shipped demo model)")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64, help="tokens per sequence of the throughput runs")
+    ap.add_argument("--questions", type=int, default=6, help="questions answered in turn per batch-1 run")
     ap.add_argument("--k", default="1,2,3", help="draft tokens to measure")
     ap.add_argument("--runs", type=int, default=3, help="batch-1 runs per row (medians)")
     ap.add_argument("--batches", default="1,2,4,8,32")
@@ -115,7 +150,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     if a.smoke:
-        a.context, a.new, a.k, a.runs, a.batches, a.enforce_eager = 128, 16, "1,3", 1, "1,4", True
+        a.context, a.new, a.k, a.runs, a.batches, a.enforce_eager, a.questions = 128, 16, "1,3", 1, "1,4", True, 2
     model = a.model or default_model_path()
     ks = [int(x) for x in a.k.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
@@ -123,10 +158,12 @@ def main() -> None:
     tok = Tokenizer(model)
     max_len = a.context + a.new + 64
     prompt = context(tok, a.context)
+    asked = questions(tok, a.questions)
     cache = Path(tempfile.mkdtemp(prefix="glm5-spec-bench-"))
     mode = "eager" if a.enforce_eager else "compiled"
-    print(f"model {model.name}, {mode} steps, batch 1 after a {len(prompt)}-token context, {a.new} new tokens, "
-          f"medians of {a.runs} runs; methods: {', '.join(methods)}"
+    lengths = sorted(len(q) for q in asked)
+    print(f"model {model}, {mode} steps, batch 1: {len(asked)} held-out tool problems in turn (prompts of "
+          f"{lengths[0]}-{lengths[-1]} tokens), medians of {a.runs} runs; methods: {', '.join(methods)}"
           f"{'' if 'mtp' in methods else ' (the checkpoint has no MTP layer)'}\n")  # fmt: skip
 
     engines: dict[tuple[str, int], Engine] = {("off", 0): engine(model, None, a.enforce_eager, cache, max_len)}
@@ -138,7 +175,7 @@ def main() -> None:
     results: dict[tuple[str, int], list[Run]] = {key: [] for key in engines}
     for _ in range(a.runs):  # interleaved: the machine's noise falls on every row alike
         for key, eng in engines.items():
-            results[key].append(run(eng, [prompt], a.new))
+            results[key].append(merge([run(eng, [q], a.new, ignore_eos=False) for q in asked]))
     base = statistics.median(r.ms_per_token for r in results[("off", 0)])
     want = results[("off", 0)][0].tokens
     print("| method | k | ms/token | vs off | ms/step | accepted length | acceptance | tokens as off |")

@@ -6,7 +6,9 @@ trainer) from that checkpoint, then (`--tool-steps`) supervised tool use (glm5_t
 (`--tool-rl-steps`) `glm5 rl --env tools` from that; the last stage's model goes to `--out`, with
 `training.json` (every stage, accuracy before and after each RL run, the tool evaluations) and the RL runs'
 `rl.png` in the work folder. `--from CHECKPOINT` starts the tool stages from an existing model (the shipped
-one: its own training.json records the addition stages and is carried over).
+one: its own training.json records the addition stages and is carried over). Last (`--mtp-steps`), an MTP layer
+is fitted to the final model's own greedy outputs (glm5_trainer.mtp), and speculation with it (k = 3) measured on
+held-out problems: the drafter `glm5 worker` uses by default.
 """
 
 from __future__ import annotations
@@ -197,38 +199,6 @@ def _rl(model: Path, out: Path, steps: int, lr: float, a: argparse.Namespace, en
     return summary
 
 
-def continue_offline(
-    model_dir: Path,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    max_model_len: int = 2048,
-    speculative: SpeculativeConfig | None = None,
-) -> tuple[list[Trace], dict[str, Any] | None]:
-    """Raw completions (no chat template), greedy, all at once on our own engine: the traces, and the
-    speculative counters' summary when `speculative` is given."""
-    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=max_model_len, kv_cache_bytes=256 << 20,
-                                 max_num_seqs=64, enforce_eager=True, speculative=speculative))  # fmt: skip
-    params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"c{i}", None, p, params)
-    outs: dict[str, list[int]] = {f"c{i}": [] for i in range(len(prompts))}
-    while engine.has_work:
-        for o in engine.step():
-            outs[o.request_id] += o.token_ids
-    spec = engine.stats().speculative
-    return [Trace(p, outs[f"c{i}"]) for i, p in enumerate(prompts)], spec_summary(spec) if spec else None
-
-
-def few_shot(tok: Tokenizer, rng: random.Random, length: int) -> list[int]:
-    """A raw few-shot prompt of about `length` tokens: lines `What is a + b? The answer is c.`, ending at a line
-    start, which the demo model continues with more of them."""
-    text = ""
-    while len(tok.encode(text)) < length:
-        x, y = rng.randrange(100), rng.randrange(100)
-        text += f"What is {x} + {y}? The answer is {x + y}.\n"
-    return tok.encode(text)
-
-
 def mtp_problem_sets(n: int, seed: int, held_out: bool) -> dict[str, list[Problem]]:
     """What the MTP layer is fitted on (training problems) or measured on (held-out ones): additions with
     thinking on and off, tool problems written in the ways tool SFT trained on (held-out: in ways it never saw)."""
@@ -248,14 +218,10 @@ def _mtp_stage(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, An
     on held-out problems; returns the checkpoint with the layer."""
     args = dict(a.mtp_args)
     n = int(args.pop("traces_per_set", 400))
-    tok = Tokenizer(base)
     traces: list[Trace] = []
     for name, problems in mtp_problem_sets(n, a.seed, held_out=False).items():
         env = "tools" if name == "tools" else "addition"
         play_offline(base, env, problems, max_new_tokens=64, max_model_len=2048, record=traces)
-    rng = random.Random(f"mtp raw {a.seed}")
-    raw, _ = continue_offline(base, [few_shot(tok, rng, rng.randint(32, 1000)) for _ in range(n // 2)], 64)
-    traces += raw
     print(f"mtp: {len(traces)} greedy traces of {base} collected", flush=True)
     try:
         record = fit(base, work / "mtp", traces, a.mtp_steps, seed=a.seed, **args)
@@ -268,10 +234,6 @@ def _mtp_stage(a: argparse.Namespace, base: Path, work: Path, meta: dict[str, An
         env = "tools" if name == "tools" else "addition"
         e = play_offline(final, env, problems, max_new_tokens=64, max_model_len=2048, speculative=spec)
         record["evaluation"][name] = e
-    rng = random.Random(f"mtp raw held-out {a.seed}")
-    _, e_raw = continue_offline(final, [few_shot(tok, rng, 1000) for _ in range(max(4, n // 8))], 64,
-                                speculative=spec)  # fmt: skip
-    record["evaluation"]["few-shot raw text, 1K context"] = {"speculative": e_raw}
     meta[_stage_key(meta, "mtp")] = record
     for name, e in record["evaluation"].items():
         sp = e["speculative"]

@@ -121,8 +121,10 @@ def test_schema_rejects_what_it_can() -> None:
         ({"model": {"path": "/m"}, "workers": {"replicas": "two"}}, "spec.workers.replicas"),
         ({"model": {"path": "/m"}, "surprise": 1}, "spec.surprise: Extra inputs are not permitted"),
         ({"workers": {}}, "spec.model: Field required"),
-        ({"model": {"path": "/m"}, "router": {"circuitBreaker": {"specAcceptanceDrop": 1}}},
-         "spec.router.circuitBreaker.specAcceptanceDrop"),
+        (
+            {"model": {"path": "/m"}, "router": {"circuitBreaker": {"specAcceptanceDrop": 1}}},
+            "spec.router.circuitBreaker.specAcceptanceDrop",
+        ),
     ],
 )
 def test_semantic_problems_are_named(spec: dict, problem: str) -> None:
