@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from glm5.model.loader import load_model
 from glm5.model.presets import SHIPPED_MODEL, default_model_path
 from glm5_cli.demo import evaluate
 
@@ -18,6 +19,10 @@ def test_shipped_model_is_the_default_and_solves_held_out_additions() -> None:
     assert sum(f.stat().st_size for f in SHIPPED_MODEL.iterdir()) <= 20 << 20  # ships in the repository
     accuracy = evaluate(SHIPPED_MODEL, meta["max_operand"], meta["held_out"], meta["seed"], limit=100)
     assert accuracy >= 0.95, accuracy  # 100% on all 500 held-out pairs: see docs/benchmarks.md (g)
+    # its MTP layer (the drafter `glm5 worker` uses by default), fitted last and measured on held-out problems
+    assert json.loads((SHIPPED_MODEL / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert len(load_model(SHIPPED_MODEL, mtp="require").mtp_layers) == 1
+    assert meta["mtp"]["evaluation"]["addition"]["speculative"]["accepted_length"] >= 2.2  # k = 3
 
 
 def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
@@ -57,3 +62,15 @@ def test_demo_model_command_runs_both_stages(tmp_path: Path) -> None:
     more = json.loads((again / "training.json").read_text())
     assert more["tools_rl"] == tool_rl and more["sft"] == meta["sft"] and more["tools_from"] == str(out)
     assert more["tools_rl_2"]["steps"] == 1 and more["tools_rl_2"]["seed"] == 1
+
+    # an MTP layer fitted to that model last (`--mtp-steps`): recorded with its held-out acceptance, servable
+    drafter = tmp_path / "drafter"
+    cmd = [sys.executable, "-m", "glm5_cli", "demo-model", "--from", str(out), "--out", str(drafter),
+           "--mtp-steps", "3", "--mtp-args", '{"traces_per_set": 4, "batch": 4}']  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mtp = json.loads((drafter / "training.json").read_text())["mtp"]
+    assert mtp["steps"] == 3 and mtp["traces"] >= 10 and mtp["base"] == str(out)
+    assert set(mtp["evaluation"]) == {"addition", "addition, thinking off", "tools"}
+    assert all(e["speculative"]["num_speculative_tokens"] == 3 for e in mtp["evaluation"].values())
+    assert len(load_model(drafter, mtp="require").mtp_layers) == 1

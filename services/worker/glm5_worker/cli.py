@@ -94,8 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, vLLM\'s flag and keys: \'{"method": "mtp", "num_speculative_tokens": '
                    '3}\' drafts with the checkpoint\'s MTP layer, method "ngram" by prompt lookup '
                    "(prompt_lookup_max/min); disable_by_batch_size turns it off in steps of more decoding "
-                   "sequences; auto: mtp (3 drafts, 1 on a CPU) where the checkpoint stores an MTP layer; none: off "
-                   "(docs/worker.md)")  # fmt: skip
+                   "sequences; auto: mtp (3 drafts) where the checkpoint stores an MTP layer, on an accelerator; "
+                   "none: off (docs/worker.md)")  # fmt: skip
     p.add_argument("--ascend-temperature-floor", type=float, default=d.ascend_temperature_floor,
                    help="on an Ascend NPU a temperature in (0, floor) is raised to it; 0 stays greedy")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="sampler seed of requests without their own")

@@ -71,12 +71,17 @@ class ResolvedConfig:
         return self.model.num_nextn_predict_layers if spec is not None and spec.method == "mtp" else 0
 
 
-def _auto_speculation(config: EngineConfig, model: ModelConfig, model_dir: Path) -> SpeculativeConfig | None:
-    """What `--speculative-config auto` means for this checkpoint: its MTP layer drafting where it stores one,
-    else no speculation."""
+def auto_speculation(config: EngineConfig, model: ModelConfig, model_dir: Path,
+                     device_type: str) -> SpeculativeConfig | None:  # fmt: skip
+    """What `--speculative-config auto` means for this checkpoint and device: its MTP layer drafting where it
+    stores one and the device is an accelerator, else no speculation (glm5_worker.engine.speculative: AUTO)."""
     spec = config.speculative
     assert spec is not None
     if not model.num_nextn_predict_layers:
+        return None
+    if device_type == "cpu":
+        log.info("speculative decoding off (auto on a CPU, where it cost tokens/s: docs/benchmarks.md r); "
+                 "--speculative-config '{\"method\": \"mtp\"}' turns it on")  # fmt: skip
         return None
     if not all(mtp_layers_stored(model, stored_dtypes(checkpoint_files(model_dir)))):
         log.warning("%s declares multi-token-prediction layers but does not store them all: no speculative "
@@ -101,7 +106,7 @@ def resolve(config: EngineConfig) -> ResolvedConfig:
     check_divisible(model, config.tensor_parallel_size, config.is_expert_parallel)
     spec = config.speculative
     if spec is not None and spec.method == AUTO:
-        spec = _auto_speculation(config, model, model_dir)
+        spec = auto_speculation(config, model, model_dir, device.type)
         config = dataclasses.replace(config, speculative=spec)
     if spec is not None and spec.method == "mtp" and not model.num_nextn_predict_layers:
         raise ConfigError(f"--speculative-config method mtp: {model_dir} has no multi-token-prediction "

@@ -5,8 +5,10 @@ Proposers (vLLM's `--speculative-config` methods and keys):
 - `mtp`: the checkpoint's multi-token-prediction layer(s) (glm5.model.model.MTPLayer), one layer applied
   recursively for k > 1. The engine runs it over every position the target computes, so its own KV rows (cache
   layer index L + i) follow the sequence; those rows only shape drafts, never what is accepted.
-- `auto` (the worker's default): `mtp` where the checkpoint stores an MTP layer (AUTO_SPECULATIVE_TOKENS drafts,
-  CPU_AUTO_SPECULATIVE_TOKENS on a CPU), else no speculation (glm5_worker.resolved decides at start-up).
+- `auto` (the worker's default): `mtp` with AUTO_SPECULATIVE_TOKENS drafts where the checkpoint stores an MTP
+  layer and the worker runs on an accelerator, else no speculation (glm5_worker.resolved decides at start-up). On
+  a CPU every verify row and MTP pass costs a share of the step: with the demo model's trained layer speculation
+  gave 0.48-0.55x the tokens/s at batch 1 (docs/benchmarks.md r), so there it is asked for, not assumed.
 
 Under tensor parallelism the verify rows are decode rows of the step every rank runs, and each MTP pass is sent to
 the other ranks (parallel.protocol.Draft: which rows of the replicated hidden states it reads); only rank 0 picks
@@ -46,9 +48,6 @@ from glm5_worker.engine.sequence import Sequence, TokenLogprob
 METHODS = ("mtp", "ngram", "auto")
 AUTO = "auto"  # mtp where the checkpoint stores an MTP layer; else off
 AUTO_SPECULATIVE_TOKENS = 3  # vLLM's GLM-5 recipe
-# On a CPU each verify row and each MTP pass costs a share of a step (the demo model: 2 rows 1.47x one row, 4 rows
-# 1.85x, a pass 0.26x), so one draft is the only count that paid there (docs/benchmarks.md r)
-CPU_AUTO_SPECULATIVE_TOKENS = 1
 MAX_SPECULATIVE_TOKENS = 8
 _KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "prompt_lookup_max", "prompt_lookup_min"}
 
@@ -106,8 +105,7 @@ class SpeculativeConfig:
         if raw.get("method") in ("deepseek_mtp", "glm4_moe_mtp"):  # vLLM's older spellings of the same method
             raw["method"] = "mtp"
         if raw.get("method") == AUTO:
-            default = CPU_AUTO_SPECULATIVE_TOKENS if device_type == "cpu" else AUTO_SPECULATIVE_TOKENS
-            raw.setdefault("num_speculative_tokens", default)
+            raw.setdefault("num_speculative_tokens", AUTO_SPECULATIVE_TOKENS)
         if "disable_by_batch_size" not in raw and device_type == "cpu":
             raw["disable_by_batch_size"] = CPU_DISABLE_BY_BATCH_SIZE
         return cls(**raw)
