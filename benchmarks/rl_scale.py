@@ -119,7 +119,6 @@ def rank_main(a: argparse.Namespace) -> None:
     if not world.leader:
         ranks.follow()
         leave()
-        return
     admin, internal = Secret(os.environ["GLM5_BENCH_ADMIN_TOKEN"]), Secret(os.environ["GLM5_BENCH_INTERNAL_TOKEN"])
     sync = CollectiveSync("127.0.0.1", 0, timeout_s=600, bucket_bytes=a.bucket_mib << 20)
     nbytes = manifest(policy.model, 0, sync.bucket_bytes, world.size).nbytes

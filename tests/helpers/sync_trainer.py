@@ -61,7 +61,6 @@ def main() -> None:
     if not world.leader:
         ranks.follow()
         leave()
-        return
     if a.die_after_buckets >= 0:
         real = sync_module.pieces
 

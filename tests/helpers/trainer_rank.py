@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from glm5.v1 import tito_pb2
-from glm5_trainer.distributed import World, init, state_bytes
+from glm5_trainer.distributed import World, init, leave, state_bytes
 from glm5_trainer.experts import ExpertParallel
 from glm5_trainer.policy import Policy
 from glm5_trainer.versions import WeightVersions
@@ -83,8 +83,7 @@ def main() -> None:
     torch.save(mine, a.out / f"rank{world.rank}.pt")
     if world.leader:
         torch.save(full, a.out / "weights.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -151,14 +151,19 @@ def test_a_step_at_world_size_1_2_and_4_gives_the_same_weights_and_bytes_fall_as
 def test_each_of_3_ranks_reads_only_its_rows_of_the_checkpoint(records: Path, tmp_path: Path) -> None:
     """Built on the meta device and filled from the files: uneven shards (8 experts over 3 ranks, rows that do
     not divide by 3) hold exactly transformers' loaded weights, and every byte of the checkpoint is read once, by
-    one rank (the small replicated buffers excepted), not once per rank."""
+    one rank (the small replicated buffers excepted), not once per rank. The checkpoint's MTP layer (the
+    policy has none: the engines keep their own) is not read at all."""
     reference = Policy(SHIPPED_MODEL, dtype=torch.float64).model
     assert _run(3, records, tmp_path / "loaded", "--steps", "0") == [0, 0, 0]
     assert _max_diff(_weights(tmp_path / "loaded"), reference.state_dict()) == 0.0
+    held = reference.state_dict()
     with safe_open(str(SHIPPED_MODEL / "model.safetensors"), "pt") as f:
         on_disk = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iteration
-        total = sum(math.prod(s.get_shape()) * 4 for s in on_disk.values())  # float32 on disk
         assert {s.get_dtype() for s in on_disk.values()} == {"F32"}
+    mtp = f"model.layers.{reference.config.num_hidden_layers}."
+    assert any(k.startswith(mtp) for k in on_disk) and not any(k.startswith(mtp) for k in held)
+    on_disk = {k: s for k, s in on_disk.items() if not k.startswith(mtp)}
+    total = sum(math.prod(s.get_shape()) * 4 for s in on_disk.values())  # float32 on disk
     parameters = {n for n, _ in reference.named_parameters()}
     buffers = sum(b.numel() * 4 for n, b in reference.named_buffers() if n not in parameters and n in on_disk)
     read = [r["read"] for r in _ranks(tmp_path / "loaded", 3)]

@@ -217,7 +217,6 @@ def run(a: argparse.Namespace) -> None:
             serve_health(a.status_host, a.status_port)
         trainer.ranks.follow()
         leave()
-        return
 
     async def main() -> Result:
         run = RLRun(config, world)
@@ -231,5 +230,5 @@ def run(a: argparse.Namespace) -> None:
                 await status.cleanup()
 
     result = asyncio.run(main())
-    leave()
     print(report(result), flush=True)
+    leave()
