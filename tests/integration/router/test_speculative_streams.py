@@ -1,8 +1,9 @@
 """Speculative decoding through the router (issue 36, item 4): a worker that verifies several tokens a step
 streams, through reasoning splitting, tool-call parsing and SSE, what a worker that does not streams (only how
 many tokens a chunk carries may differ). Two routers in front of two real workers on the shipped demo model (it
-thinks, calls tools and answers), one of them with --speculative-config (prompt lookup: the demo model has no
-MTP layer), every request greedy, through the official openai client."""
+thinks, calls tools and answers), one of them drafting with the model's MTP layer (--speculative-config: on a
+CPU `auto` does not draft), every request greedy, through the official openai client; structured output and a
+required tool call (the router's tool-call grammar) speculate too, each verified row masked by the format."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from glm5.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.procs import start_router, start_worker, stop
 
 FLAGS = ("--max-model-len", "2048", "--kv-cache-bytes", "64MiB")
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+SPEC = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
 INTEGERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
             "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
+SUM = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name.title()} two integers.",
                                            "parameters": INTEGERS}} for name in ("add", "multiply")]  # fmt: skip
 
@@ -95,21 +97,30 @@ def test_reasoning_tool_calls_and_answers_stream_as_without_speculation(stacks: 
         "tool call": dict(messages=[{"role": "user", "content": "What is 51 * 44?"}], tools=TOOLS, max_tokens=200),
         # the answer after the tool's result
         "after the tool": dict(messages=after_tool, tools=TOOLS, max_tokens=200),
+        # a JSON schema: every verified row masked by the format as it stands after the drafts before it
+        "schema": dict(messages=[{"role": "user", "content": "What is 12 + 30?"}], max_tokens=60,
+                       response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": SUM}}),
+        # a tool call the router's grammar requires
+        "required tool": dict(messages=[{"role": "user", "content": "What is 7 + 5?"}], tools=TOOLS,
+                              tool_choice="required", max_tokens=120),
         # thinking, cut by the length limit inside it
         "cut": dict(messages=[{"role": "user", "content": "What is 347 + 288?"}], max_tokens=6,
                     extra_body=think),
     }  # fmt: skip
-    before = _accepted(spec["worker"])
-    streams = {}
+    streams, accepted = {}, {}
     for name, kw in requests.items():
+        before = _accepted(spec["worker"])
         want, got = _stream(plain["client"], **kw), _stream(spec["client"], **kw)
         assert {k: v for k, v in got.items() if k != "chunks"} == {k: v for k, v in want.items() if k != "chunks"}, name
         assert got["chunks"] > 0, name
-        streams[name] = want
+        streams[name], accepted[name] = want, _accepted(spec["worker"]) - before
     # the requests took the paths they are here for
     assert streams["reasoning"]["reasoning_content"] and streams["reasoning"]["content"]
     assert [c["name"] for c in streams["tool call"]["tool_calls"]] == ["multiply"]
     assert "2244" in streams["after the tool"]["content"]
     assert streams["cut"]["finish"] == "length" and streams["cut"]["reasoning_content"]
-    # several tokens did arrive in one step: the streams above were really speculative
-    assert _accepted(spec["worker"]) > before
+    assert set(json.loads(streams["schema"]["content"])) == {"sum"}
+    (required,) = streams["required tool"]["tool_calls"]
+    assert set(json.loads(required["arguments"])) == {"a", "b"}
+    # several tokens did arrive in one step: the streams were really speculative, the formatted ones too
+    assert sum(accepted.values()) > 0 and accepted["schema"] > 0 and accepted["required tool"] > 0, accepted

@@ -24,13 +24,14 @@ from tests.helpers.oracle import mtp_checkpoint
 from tests.unit.worker.test_engine import prompts, tokens
 
 # hidden 72 and expert width 40: not multiples of the kernels' tiles; 3 decoder layers and an MTP layer
+LAYERS = 3
 SHAPES = dict(vocab_size=1024, hidden_size=72, moe_intermediate_size=40, intermediate_size=104, index_topk=16)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("spec-ckpt")
-    mtp_checkpoint(path, 3, seed=3, **SHAPES)
+    mtp_checkpoint(path, LAYERS, seed=3, **SHAPES)
     write_tokenizer(path)
     return path
 
@@ -229,6 +230,41 @@ def test_verify_keeps_the_target_distribution(one_hot: bool) -> None:
         assert min(_chi2_p_value(first, p[0]), _chi2_p_value(second, p[1])) < 1e-6
 
 
+def test_verify_under_an_output_format_keeps_the_masked_distribution() -> None:
+    """A sampled request under an output format: drafts drawn from a proposer that ignores the format (so some are
+    tokens the format refuses) and rows masked as the format stands. Each emitted token follows the masked target
+    and a refused token is never emitted; deciding on the unmasked rows (the mutation) emits refused tokens."""
+    vocab, n = 7, 4000
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(3, vocab, generator=g) * 1.5
+    proposer = torch.randn(2, vocab, generator=g) * 1.5
+    sampler = Sampler(0, torch.device("cpu"))
+    seq = _sampled(4)
+    q = sampler.filtered_probs(proposer, [seq] * 2)
+    masked = target.clone()
+    refused = [int(q[0].argmax()), int(q[1].argmax())]  # the proposer's likeliest token, refused at its row
+    for row, token in enumerate(refused):
+        masked[row, token] = float("-inf")
+    p = sampler.filtered_probs(masked, [seq] * 3)
+    draw = torch.Generator().manual_seed(5)
+
+    def counts(constrained: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        first, second = torch.zeros(vocab), torch.zeros(vocab)
+        for _ in range(n):
+            drafts = [int(torch.multinomial(q[i], 1, generator=draw)) for i in range(2)]
+            picks, _ = verify(target, drafts, [q[0], q[1]], seq, sampler, constrained)
+            first[picks[0].token_id] += 1
+            if len(picks) > 1:
+                second[picks[1].token_id] += 1
+        return first, second
+
+    first, second = counts(masked)
+    assert first[refused[0]] == 0 and second[refused[1]] == 0 and second.sum() > n / 10
+    assert _chi2_p_value(first, p[0]) > 1e-3 and _chi2_p_value(second, p[1]) > 1e-3
+    first, second = counts(None)
+    assert first[refused[0]] + second[refused[1]] > n / 20
+
+
 def test_greedy_verify_keeps_the_longest_matching_prefix() -> None:
     sampler = Sampler(0, torch.device("cpu"))
     seq = Sequence("g", [1], greedy(8, logprobs=True), detokenizer=None)  # type: ignore[arg-type]
@@ -272,6 +308,30 @@ def test_greedy_tokens_and_logprobs_equal_those_without_speculation(checkpoint: 
     c = engine.stats().speculative
     assert c is not None and c.drafted >= c.accepted >= 0 and c.steps > 0
     assert c.by_position == sorted(c.by_position, reverse=True) and sum(c.by_position) == c.accepted
+
+
+def test_a_block_fp8_checkpoint_speculates_with_the_tokens_it_gives_without(checkpoint: Path, tmp_path: Path) -> None:
+    """GLM-5-FP8's format (16 x 16 blocks here: partial along hidden 72 and experts 40), the MTP layer quantized
+    too: the greedy tokens and log-probs of the same checkpoint without speculation, and drafts accepted."""
+    from dataclasses import replace
+
+    from glm5.quantize.quantizer import quantize_checkpoint
+    from glm5.quantize.recipe import load_recipe
+
+    fp8 = tmp_path / "fp8"
+    quantize_checkpoint(checkpoint, fp8, replace(load_recipe("fp8-block", None), block_size=(16, 16)),
+                        progress=False, log=lambda _: None)  # fmt: skip
+    assert any(n.startswith(f"model.layers.{LAYERS}.") and t.dtype == torch.float8_e4m3fn
+               for n, t in load_file(fp8 / "model.safetensors").items())  # fmt: skip
+    ps, params = prompts(2, seed=9), greedy(24, logprobs=True)
+    base = serve(make_engine(fp8, None), ps, params)
+    engine = make_engine(fp8, SpeculativeConfig("mtp", 2))
+    got = serve(engine, ps, params)
+    for rid, outs in base.items():
+        assert tokens(got[rid]) == tokens(outs), rid
+        want = [lp.logprob for o in outs for lp in o.logprobs]
+        assert [lp.logprob for o in got[rid] for lp in o.logprobs] == pytest.approx(want, abs=1e-4)
+    assert engine.stats().speculative.drafted > 0  # type: ignore[union-attr]
 
 
 def test_preemption_and_stop_rules_inside_an_accepted_run(tiny_model: Path) -> None:

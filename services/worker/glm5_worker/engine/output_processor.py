@@ -141,17 +141,9 @@ class OutputProcessor:
     def _advance_format(seq: Sequence, token: int) -> bool:
         """Feeds a sampled token to the sequence's format; True once the format is complete."""
         fmt, matcher = seq.params.output_format, seq.matcher
-        if matcher is None or fmt is None:
+        if matcher is None or fmt is None or in_thinking(seq, token):
             return False
-        if seq.format_phase == "thinking":
-            if token == fmt.think_close:
-                seq.format_phase = "format"
-            return False
-        if seq.format_phase == "start":
-            if token == fmt.think_open:
-                seq.format_phase = "thinking"
-                return False
-            seq.format_phase = "format"
+        seq.format_phase = "format"
         if not matcher.consume_token(token):
             # a format that validated but cannot run (a{1000000}: "too many expressions") fails the request rather
             # than ending it as if the format were complete
@@ -195,6 +187,21 @@ class OutputProcessor:
         )  # fmt: skip
 
 
+def in_thinking(seq: Sequence, token: int) -> bool:
+    """Moves the output format's phase past `token` where it opens, continues or closes a thinking block (which
+    the format leaves free): True then, and the matcher is not to see it."""
+    fmt = seq.params.output_format
+    assert fmt is not None
+    if seq.format_phase == "thinking":
+        if token == fmt.think_close:
+            seq.format_phase = "format"
+        return True
+    if seq.format_phase == "start" and token == fmt.think_open:
+        seq.format_phase = "thinking"
+        return True
+    return False
+
+
 @contextlib.contextmanager
 def drafts_applied(seq: Sequence) -> Iterator[Callable[[int], bool]]:
     """Within the block, `advance(token)` moves the sequence's output format past a draft token if the format
@@ -206,12 +213,7 @@ def drafts_applied(seq: Sequence) -> Iterator[Callable[[int], bool]]:
 
     def advance(token: int) -> bool:
         nonlocal consumed
-        if seq.format_phase == "thinking":
-            if token == fmt.think_close:
-                seq.format_phase = "format"
-            return True
-        if seq.format_phase == "start" and token == fmt.think_open:
-            seq.format_phase = "thinking"
+        if in_thinking(seq, token):
             return True
         if matcher.is_stopped() or matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
             return False
