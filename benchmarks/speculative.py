@@ -10,18 +10,30 @@ tokens each after a `--context`-token few-shot prompt, EOS ignored, medians of i
 batches, without speculation, with it, and with `disable_by_batch_size` turning it off above a batch size.
 Greedy tokens are compared with the run without speculation (the share of sequences with every token equal).
 
+--serve: the same batch-1 questions through `glm5 serve` (one worker each, its steps as offline), one server
+without speculation and one per k of the last method, all up at once and asked in turn (interleaved runs): a
+streamed /v1/completions per question (the prompt's token ids, greedy, to its end), milliseconds per token after
+the first chunk as the client reads them, and whether each answer's text equals the server's without
+speculation. The workers compile into the offline runs' cache, so they start warm.
+
 Usage: python benchmarks/speculative.py [--model DIR] [--context 1024] [--questions 6] [--new 64] [--k 1,2,3] [--runs 3]
                                         [--batches 1,2,4,8,32] [--disable-by-batch-size 1] [--enforce-eager]
-       python benchmarks/speculative.py --smoke    # 128-token context, 16 new tokens, k 1 and 3, eager
+                                        [--serve]
+       python benchmarks/speculative.py --smoke    # 128-token context, 16 new tokens, k 1 and 3, eager, --serve
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +45,10 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
 from glm5_worker.engine.speculative import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._launch import COMPILED, tail
+from tests.helpers.procs import free_port
 
 
 @dataclass
@@ -130,6 +146,99 @@ def merge(runs: list[Run]) -> Run:
                steps=steps, verify_steps=verify, accepted=accepted, drafted=drafted)  # fmt: skip
 
 
+@contextmanager
+def serving(model: Path, spec: str, eager: bool, cache: Path, max_len: int, log: Path) -> Iterator[str]:
+    """`glm5 serve` (one worker, --speculative-config SPEC) on free ports: its HTTP address once the router has
+    the worker in rotation and, unless eager, the worker's steps run compiled (its log says so)."""
+    http_port = free_port()
+    worker = [f"--speculative-config={spec}", f"--max-model-len={max_len}", "--kv-cache-bytes=256MiB",
+              "--no-prefix-caching", f"--compile-cache-dir={cache}"]  # fmt: skip
+    if eager:
+        worker.append("--enforce-eager")
+    cmd = [sys.executable, "-m", "glm5_cli", "serve", "--model", str(model), "--http-port", str(http_port),
+           "--grpc-port", str(free_port()), *(f"--worker-arg={w}" for w in worker)]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    base = f"127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 900
+        while not (_in_rotation(base) and (eager or any(m in log.read_text(errors="replace") for m in COMPILED))):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"glm5 serve ({spec}) did not come up; the end of its log ({log}):\n{tail(log)}")
+            time.sleep(0.5)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _in_rotation(base: str) -> bool:
+    try:
+        conn = http.client.HTTPConnection(*base.split(":"), timeout=2)  # type: ignore[misc]
+        conn.request("GET", "/health")
+        health = json.loads(conn.getresponse().read())
+        conn.close()
+    except (OSError, ValueError):
+        return False
+    return bool(health.get("status") == "ok" and health.get("workers"))
+
+
+def streamed(base: str, model: Path, ids: list[int], new: int) -> tuple[float, int, str]:
+    """One streamed greedy completion to its end: (seconds from the first chunk to the last, completion tokens,
+    the text)."""
+    body = json.dumps({"model": model.name, "prompt": ids, "max_tokens": new, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})  # fmt: skip
+    conn = http.client.HTTPConnection(*base.split(":"), timeout=300)  # type: ignore[misc]
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"{base}: HTTP {resp.status}: {resp.read()[:300]!r}")
+    arrivals, text, tokens = [], "", 0
+    for line in resp:
+        if not line.startswith(b"data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            arrivals.append(time.perf_counter())
+            text += chunk["choices"][0]["text"]
+    conn.close()
+    return arrivals[-1] - arrivals[0], tokens, text
+
+
+def served(a: argparse.Namespace, model: Path, method: str, ks: list[int], asked: list[list[int]], cache: Path,
+           max_len: int) -> None:  # fmt: skip
+    """The batch-1 questions through `glm5 serve`: without speculation and with `method` at each k."""
+    specs = {("off", 0): "none", **{(method, k): json.dumps({"method": method, "num_speculative_tokens": k})
+                                    for k in ks}}  # fmt: skip
+    logs = Path(tempfile.mkdtemp(prefix="glm5-spec-serve-"))
+    with ExitStack() as stack:
+        bases = {key: stack.enter_context(serving(model, spec, a.enforce_eager, cache, max_len,
+                                                  logs / f"{key[0]}{key[1]}.log"))
+                 for key, spec in specs.items()}  # fmt: skip
+        for base in bases.values():  # warm-up: connections, the first allocations
+            streamed(base, model, asked[0][:64], 4)
+        per_token: dict[tuple[str, int], list[float]] = {key: [] for key in bases}
+        texts: dict[tuple[str, int], list[str]] = {key: [] for key in bases}
+        for _ in range(a.runs):
+            for key, base in bases.items():
+                answers = [streamed(base, model, q, a.new) for q in asked]
+                seconds, tokens = sum(x[0] for x in answers), sum(x[1] - 1 for x in answers)
+                per_token[key].append(seconds * 1e3 / max(tokens, 1))
+                texts[key].append("\x00".join(x[2] for x in answers))
+    base_ms = statistics.median(per_token[("off", 0)])
+    want = texts[("off", 0)][0]
+    print(f"\nthrough glm5 serve: the same {len(asked)} questions, streamed /v1/completions, ms per token after "
+          f"the first chunk as the client reads them, medians of {a.runs} runs\n")  # fmt: skip
+    print("| server | k | ms/token | vs off | text as off |")
+    print("|---|---|---|---|---|")
+    for (m, k), ms in per_token.items():
+        med = statistics.median(ms)
+        same = all(t == want for t in texts[(m, k)])
+        print(f"| {m} | {k} | {med:.2f} | {base_ms / med:.2f}x | {'yes' if same else 'NO'} |")
+
+
 def has_mtp(model: Path) -> bool:
     config = json.loads((model / "config.json").read_text())
     return int(config.get("num_nextn_predict_layers") or 0) > 0
@@ -147,10 +256,12 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=CPU_DISABLE_BY_BATCH_SIZE,
                     help="the guarded column's threshold (default: a CPU worker's)")  # fmt: skip
     ap.add_argument("--enforce-eager", action="store_true", help="eager steps (default: compiled, as glm5 worker)")
+    ap.add_argument("--serve", action="store_true", help="also the batch-1 questions through glm5 serve")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     if a.smoke:
         a.context, a.new, a.k, a.runs, a.batches, a.enforce_eager, a.questions = 128, 16, "1,3", 1, "1,4", True, 2
+        a.serve = True
     model = a.model or default_model_path()
     ks = [int(x) for x in a.k.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
@@ -186,6 +297,9 @@ def main() -> None:
         equal = all(r.tokens == want for r in rs)
         print(f"| {m} | {k} | {ms:.2f} | {base / ms:.2f}x | {step:.2f} | {rs[0].accepted_length:.2f} | "
               f"{rs[0].acceptance:.2f} | {'yes' if equal else 'NO'} |")  # fmt: skip
+
+    if a.serve:
+        served(a, model, methods[-1], [1] if a.smoke else ks, asked, cache, max_len)
 
     k = max(ks)
     guarded = SpeculativeConfig(methods[-1], k, disable_by_batch_size=a.disable_by_batch_size)
