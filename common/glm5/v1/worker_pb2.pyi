@@ -88,8 +88,32 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("cache_events", "cache_epoch", "cache_seq")
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    cache_events: bool
+    cache_epoch: int
+    cache_seq: int
+    def __init__(self, cache_events: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., cache_seq: _Optional[int] = ...) -> None: ...
+
+class CacheEvents(_message.Message):
+    __slots__ = ("epoch", "after", "seq", "snapshot", "stored", "removed", "block_size")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    after: int
+    seq: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    block_size: int
+    def __init__(self, epoch: _Optional[int] = ..., after: _Optional[int] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class LayerSparsity(_message.Message):
     __slots__ = ("layer", "attention_entropy", "attention_entropy_drift", "topk")
@@ -104,7 +128,7 @@ class LayerSparsity(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., attention_entropy: _Optional[float] = ..., attention_entropy_drift: _Optional[float] = ..., topk: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("kv_usage", "kv_fragmentation", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "attention_entropy_drift", "token_latency_jitter_ms", "num_running", "num_waiting", "weight_version", "prefix_cache_hit_rate", "layers", "generated_tokens_total", "mean_token_latency_ms", "world_size", "ranks", "preemptions_total", "speculative")
+    __slots__ = ("kv_usage", "kv_fragmentation", "kv_blocks_total", "kv_blocks_free", "kv_block_size", "attention_entropy_drift", "token_latency_jitter_ms", "num_running", "num_waiting", "weight_version", "prefix_cache_hit_rate", "layers", "generated_tokens_total", "mean_token_latency_ms", "world_size", "ranks", "preemptions_total", "speculative", "cache_events")
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +147,7 @@ class WorkerStats(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     kv_usage: float
     kv_fragmentation: float
     kv_blocks_total: int
@@ -141,7 +166,8 @@ class WorkerStats(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankMemory]
     preemptions_total: int
     speculative: SpeculativeStats
-    def __init__(self, kv_usage: _Optional[float] = ..., kv_fragmentation: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., attention_entropy_drift: _Optional[float] = ..., token_latency_jitter_ms: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerSparsity, _Mapping]]] = ..., generated_tokens_total: _Optional[int] = ..., mean_token_latency_ms: _Optional[float] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., preemptions_total: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
+    cache_events: CacheEvents
+    def __init__(self, kv_usage: _Optional[float] = ..., kv_fragmentation: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., attention_entropy_drift: _Optional[float] = ..., token_latency_jitter_ms: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., weight_version: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., layers: _Optional[_Iterable[_Union[LayerSparsity, _Mapping]]] = ..., generated_tokens_total: _Optional[int] = ..., mean_token_latency_ms: _Optional[float] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankMemory, _Mapping]]] = ..., preemptions_total: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., cache_events: _Optional[_Union[CacheEvents, _Mapping]] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "drafts_total", "draft_tokens_total", "accepted_tokens_total", "accepted_tokens_by_position")

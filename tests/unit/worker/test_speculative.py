@@ -360,6 +360,35 @@ def test_preemption_and_stop_rules_inside_an_accepted_run(tiny_model: Path) -> N
     assert want[-1].finish_reason == FinishReason.LENGTH and len(tokens(want)) == 37
 
 
+def test_above_disable_by_batch_size_nothing_drafts_and_no_mtp_pass_runs(checkpoint: Path) -> None:
+    """Three requests at once with disable_by_batch_size 1: no drafts and no MTP pass while they run together
+    (prefills count), and the one left alone does not draft either (its MTP rows have a gap); a request alone
+    from the start drafts. Greedy tokens as without speculation."""
+    ps = prompts(3, seed=31)
+    spec = SpeculativeConfig("mtp", 2, disable_by_batch_size=1)
+    lengths = [greedy(6), greedy(6), greedy(30)]
+    engine = make_engine(checkpoint, spec, max_num_batched_tokens=512)  # all three admitted in the first step
+    passes = 0
+    real = engine._draft_pass
+
+    def counted(*a: object) -> object:
+        nonlocal passes
+        passes += 1
+        return real(*a)  # type: ignore[arg-type]
+
+    engine._draft_pass = counted  # type: ignore[method-assign,assignment]
+    for i, (p, params) in enumerate(zip(ps, lengths, strict=True)):
+        engine.add_request(f"r{i}", None, p, params)
+    got = run(engine)
+    base = make_engine(checkpoint, None)
+    for i, (p, params) in enumerate(zip(ps, lengths, strict=True)):
+        base.add_request(f"r{i}", None, p, params)
+    assert {k: tokens(v) for k, v in got.items()} == {k: tokens(v) for k, v in run(base).items()}
+    assert passes == 0 and engine.stats().speculative.drafted == 0  # type: ignore[union-attr]
+    serve(engine, ps[2:], greedy(20))
+    assert passes > 0 and engine.stats().speculative.drafted > 0  # type: ignore[union-attr]
+
+
 def test_requests_that_may_not_speculate_and_sampled_ones(checkpoint: Path) -> None:
     """Penalties and structured output decode a token per step (their rule depends on the tokens before), with
     the same tokens as without speculation; a seeded sampled request gives the same tokens on every run."""

@@ -40,6 +40,7 @@ from glm5_worker.engine.structured import Grammars
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
 from glm5_worker.engine.weights import Forwarder, WeightSource
 from glm5_worker.kv.block_manager import BlockManager, KVStats
+from glm5_worker.kv.events import CacheDelta
 from glm5_worker.parallel.driver import ReplicaDriver, start_replica
 from glm5_worker.parallel.protocol import Draft
 from glm5_worker.parallel.replica import ReplicaFailure
@@ -64,6 +65,7 @@ class EngineStats:
     num_preemptions: int
     ranks: list[RankMemory]  # one per rank of the replica
     speculative: SpecCounters | None = None  # drafted / accepted tokens, when the engine speculates
+    cache: CacheDelta | None = None  # the prefix cache's events, when asked for (kv.events)
 
 
 @dataclass(slots=True)
@@ -122,7 +124,7 @@ class Engine:
             self.outputs.spec = SpecCounters(self.spec.num_speculative_tokens, self.spec.method)
             log.info("speculative decoding: %s, up to %d draft tokens a step%s", self.spec.method,
                      self.spec.num_speculative_tokens, "" if self.spec.disable_by_batch_size is None else
-                     f", off in steps of more than {self.spec.disable_by_batch_size} decoding sequences")  # fmt: skip
+                     f", off while more than {self.spec.disable_by_batch_size} sequences run")  # fmt: skip
         self.sparsity = SparsityController(
             self.model_config.num_hidden_layers,
             self.model_config.index_topk,
@@ -351,7 +353,7 @@ class Engine:
         self.outputs.process(sched, logits, rows)
         scheduled = [*sched.decodes, *(s for s, _ in sched.prefills)]
         if self.spec is not None:
-            self._propose(scheduled, starts, len(sched.decodes))
+            self._propose(scheduled, starts)
         copies: list[tuple[int, int]] = []
         for seq in scheduled:
             if not seq.is_finished:
@@ -432,16 +434,22 @@ class Engine:
         return StepPlan(ids, positions, slots, tables, lengths, prefills, logit_rows), rows, starts
 
     # speculative decoding -----------------------------------------------------------------------------------
-    def _propose(self, scheduled: list[Sequence], starts: dict[int, tuple[int, int, bool]], num_decodes: int) -> None:
+    def _propose(self, scheduled: list[Sequence], starts: dict[int, tuple[int, int, bool]]) -> None:
         """After a step: the drafts each sequence about to decode verifies in the next one (its draft_ids).
         With MTP, the MTP layer first runs over every position the step computed (so its KV rows follow every
-        sequence), then drafts recursively."""
+        sequence), then drafts recursively. Above disable_by_batch_size sequences in flight (vLLM's rule: the
+        running ones, prefills included) nothing drafts and no MTP pass runs, so a large batch pays nothing for
+        speculation; a sequence in such a step has a gap in its MTP rows and drafts by MTP no more (drafts
+        attending to rows never written would only lower its acceptance, a health signal)."""
         spec = self.spec
         assert spec is not None
-        off = spec.disable_by_batch_size is not None and num_decodes > spec.disable_by_batch_size
+        off = spec.disable_by_batch_size is not None and len(self.scheduler.running) > spec.disable_by_batch_size
+        if off and spec.method == "mtp":
+            for seq in scheduled:
+                seq.mtp_gap = True
         drafters: dict[int, int] = {}  # id(seq) -> drafts it may propose
         for seq in scheduled:
-            if off or seq.is_finished or seq.num_uncomputed != 1 or not can_speculate(seq):
+            if off or seq.is_finished or seq.num_uncomputed != 1 or not can_speculate(seq) or seq.mtp_gap:
                 continue
             j = self._draft_slots(seq, draft_budget(seq, spec.num_speculative_tokens, self.max_model_len))
             if j:
@@ -453,7 +461,7 @@ class Engine:
                     seq.draft_ids = ngram_drafts(seq.all_token_ids, j, spec.prompt_lookup_max, spec.prompt_lookup_min)
                     seq.draft_probs = [None] * len(seq.draft_ids)
         elif not off:
-            self._mtp_drafts([s for s in scheduled if not s.is_finished], starts, drafters)
+            self._mtp_drafts([s for s in scheduled if not s.is_finished and not s.mtp_gap], starts, drafters)
         for seq in scheduled:  # a greedy draft the format refuses is rejected: no verify rows for it and after
             if seq.draft_ids and seq.matcher is not None and seq.params.is_greedy:
                 n = format_prefix(seq, seq.draft_ids)
@@ -534,7 +542,8 @@ class Engine:
             raise ReplicaFailure(f"rank 0 failed a draft pass: {exc}") from exc
 
     # introspection ------------------------------------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def stats(self, cache_after: tuple[int, int] | None = None) -> EngineStats:
+        """`cache_after`: (epoch, seq) of the prefix-cache events the asker applied; their sequel comes along."""
         times = self._times.recent()
         layers = [(i, s.entropy_short or 0.0, s.drift, s.topk) for i, s in enumerate(self.sparsity.layers)]
         mine = self.runner.memory()
@@ -552,6 +561,9 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             ranks=self.replica.stats(mine) if self.replica is not None else [mine],
             speculative=self.outputs.spec.snapshot() if self.outputs.spec is not None else None,
+            cache=self.blocks.cache_delta(*cache_after)
+            if cache_after is not None and self.config.enable_prefix_caching
+            else None,
         )
 
 

@@ -80,6 +80,7 @@ class Sequence:
     # distribution of each (None: one-hot on the token)
     draft_ids: list[int] = field(default_factory=list)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    mtp_gap: bool = False  # a step ran without the MTP pass over this sequence: its MTP KV rows miss positions
     # filled each step and drained by the engine into a RequestOutput
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprob] = field(default_factory=list)

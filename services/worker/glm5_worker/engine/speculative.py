@@ -63,7 +63,7 @@ CPU_DISABLE_BY_BATCH_SIZE = 1
 class SpeculativeConfig:
     method: str = "mtp"
     num_speculative_tokens: int = 1
-    disable_by_batch_size: int | None = None  # steps with more decoding sequences than this do not speculate
+    disable_by_batch_size: int | None = None  # no drafting while more sequences than this run (vLLM's rule)
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     prompt_lookup_min: int = 1  # ngram: shortest
 

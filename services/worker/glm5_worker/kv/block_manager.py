@@ -7,18 +7,20 @@ a block is demoted to L2 once all its tokens are more than `l1_tokens` behind th
 Prefix reuse (vLLM-style): every full block gets a chain hash of all tokens up to its end; a new sequence
 reuses the longest run of cached blocks that matches its prompt. A block nobody references stays cached
 (evictable, LRU) until its memory is needed. A cached L2 block is reused only where it would be L2 for the
-new sequence too, so prefix reuse never changes which tokens a sequence sees at full precision.
+new sequence too, so prefix reuse never changes which tokens a sequence sees at full precision. Every hash the
+cache starts or stops holding is logged (kv.events) for the routers that route by cached prefix.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
+from glm5.kvcache.prefix import block_hash
+
+from glm5_worker.kv.events import DEFAULT_LOG_EVENTS, CacheDelta, CacheEvents
 
 
 class SequenceBlocks(Protocol):
@@ -42,13 +44,15 @@ class KVStats:
     prefix_hit_rate: float
 
 
-def block_hash(parent: bytes, tokens: list[int]) -> bytes:
-    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()[:16]
-
-
 class BlockManager:
     def __init__(
-        self, num_fp_blocks: int, num_q_blocks: int, block_size: int, l1_tokens: int, prefix_caching: bool = True
+        self,
+        num_fp_blocks: int,
+        num_q_blocks: int,
+        block_size: int,
+        l1_tokens: int,
+        prefix_caching: bool = True,
+        event_log: int = DEFAULT_LOG_EVENTS,
     ) -> None:
         if num_fp_blocks <= 0:
             raise ValueError("the KV pool needs at least one full-precision block")
@@ -64,6 +68,7 @@ class BlockManager:
         self._evictable: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.events = CacheEvents(event_log)
 
     @property
     def total_blocks(self) -> int:
@@ -86,6 +91,7 @@ class BlockManager:
             h = self.hash_of[b]
             if h is not None and self.cached.get(h) == b:
                 del self.cached[h]
+                self.events.removed(h)
             self.hash_of[b] = None
         else:
             return None
@@ -200,6 +206,7 @@ class BlockManager:
                 heapq.heappush(self._free[t], b)
             self._evictable[t].clear()
         self.cached.clear()
+        self.events.restart()
         self.hash_of = [None] * self.total_blocks
         for seq in running:
             seq.num_registered_blocks = 1 << 62  # their later blocks mix old and new weights
@@ -215,7 +222,12 @@ class BlockManager:
             if h not in self.cached:
                 self.cached[h] = b
                 self.hash_of[b] = h
+                self.events.stored(h)
         seq.num_registered_blocks = max(seq.num_registered_blocks, n_full)
+
+    def cache_delta(self, epoch: int, after: int) -> CacheDelta:
+        """The prefix cache's events since (epoch, after), or a snapshot of every hash it holds (kv.events)."""
+        return self.events.since(epoch, after, self.cached.keys())
 
     # tiering ------------------------------------------------------------------------------------------------
     def demote(self, seq: SequenceBlocks) -> list[tuple[int, int]]:
@@ -245,6 +257,8 @@ class BlockManager:
                 copies.append((b, q - self.num_fp))
                 seq.block_table[j] = q
                 if h is not None:
+                    if h not in self.cached:
+                        self.events.stored(h)
                     self.cached[h] = q
                     self.hash_of[q] = h
             self._release(b)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import shutil
@@ -25,6 +26,7 @@ from glm5_worker.engine.speculative import SpecCounters
 from glm5_worker.engine.structured import OutputFormat
 from glm5_worker.engine.threads import in_own_thread
 from glm5_worker.engine.weights import SyncSpec, WeightSource, read_weights
+from glm5_worker.kv.events import CacheDelta
 from glm5_worker.parallel.replica import ReplicaFailure
 from glm5_worker.server.push import receive_push
 
@@ -199,17 +201,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.WorkerStats:
         # the engine thread computes them between steps; while a long step runs (a prefill chunk of a very long
         # prompt) the last ones answer, so a router's poll never times out on a busy worker
-        future = asyncio.wrap_future(self.engine.call(self.engine.engine.stats))
+        after = (request.cache_epoch, request.cache_seq) if request.cache_events else None
+        future = asyncio.wrap_future(self.engine.call(functools.partial(self.engine.engine.stats, after)))
         try:
             st = await asyncio.wait_for(asyncio.shield(future), STATS_WAIT_S)
         except TimeoutError:
             future.cancel()
             if not self._stats:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no stats yet: the engine is busy")
-            st = self._stats[-1]
+            st = self._stats[-1]  # without cache events: they were someone else's sequel; asked again next poll
         except ReplicaFailure as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        self._stats[:] = [st]
+        self._stats[:] = [dataclasses.replace(st, cache=None)]
         return worker_pb2.WorkerStats(
             kv_usage=st.kv.usage,
             kv_fragmentation=st.kv.fragmentation,
@@ -229,6 +232,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             generated_tokens_total=st.generated_tokens_total,
             preemptions_total=st.num_preemptions,
             speculative=_speculative(st.speculative),
+            cache_events=_cache_events(st.cache, st.block_size),
             mean_token_latency_ms=st.mean_token_latency_ms,
             world_size=len(st.ranks),
             ranks=[
@@ -404,6 +408,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             )
         text = self.engine.engine.tokenizer.decode(list(request.token_ids), request.skip_special_tokens)
         return worker_pb2.DetokenizeResponse(text=text)
+
+
+def _cache_events(delta: CacheDelta | None, block_size: int) -> worker_pb2.CacheEvents | None:
+    if delta is None:
+        return None
+    return worker_pb2.CacheEvents(epoch=delta.epoch, after=delta.after, seq=delta.seq, snapshot=delta.snapshot,
+                                  stored=delta.stored, removed=delta.removed, block_size=block_size)  # fmt: skip
 
 
 def _speculative(spec: SpecCounters | None) -> worker_pb2.SpeculativeStats | None:

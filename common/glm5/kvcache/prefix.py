@@ -1,0 +1,26 @@
+"""Prefix-cache block hashes, one function for the worker that stores blocks and the router that predicts where
+a prompt's blocks are (issue 37): block j's hash chains every token up to its end, so two prompts share a block's
+hash exactly when they share all tokens before it."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The hash of a block of `tokens` after the block whose hash is `parent` (b"" for the first)."""
+    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()[:16]
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The hashes of the blocks a worker may find cached for this prompt: its full blocks, less the last token
+    (a prompt's last token is always computed, for its logits, as BlockManager.match_prefix does)."""
+    out: list[bytes] = []
+    parent = b""
+    for j in range(max(len(token_ids) - 1, 0) // block_size):
+        parent = block_hash(parent, token_ids[j * block_size : (j + 1) * block_size])
+        out.append(parent)
+    return out
