@@ -18,9 +18,11 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """The hashes of the blocks a worker may find cached for this prompt: its full blocks, less the last token
     (a prompt's last token is always computed, for its logits, as BlockManager.match_prefix does)."""
+    data = np.asarray(token_ids, dtype=np.int64).tobytes()  # once: block_hash's bytes, sliced per block
+    step = 8 * block_size
     out: list[bytes] = []
     parent = b""
     for j in range(max(len(token_ids) - 1, 0) // block_size):
-        parent = block_hash(parent, token_ids[j * block_size : (j + 1) * block_size])
+        parent = hashlib.sha256(parent + data[j * step : (j + 1) * step]).digest()[:16]
         out.append(parent)
     return out

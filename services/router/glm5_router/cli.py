@@ -20,8 +20,16 @@ from glm5.security import (
 )
 from glm5.serving import add_connection_arguments, connection_limits_from_args
 
-from glm5_router.config import BreakerConfig, RouterConfig
+from glm5_router.config import ROUTING, BreakerConfig, RouterConfig
 from glm5_router.server.app import serve_until_signal
+
+
+def _weights(text: str) -> tuple[float, float, float]:
+    try:
+        a, b, c = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"three comma-separated numbers, not {text!r}") from None
+    return a, b, c
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +63,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url-env", help="read the Redis URL from this environment variable")
     p.add_argument("--redis-claims-per-worker", type=int, default=d.redis_claims_per_worker,
                    help="requests this router takes from the shared queue per routable worker")  # fmt: skip
+    p.add_argument("--routing", choices=ROUTING, default=d.routing,
+                   help="kv: to the worker holding most of the prompt in its prefix cache, weighed with its load; "
+                        "load: least outstanding tokens; session: a session id or the prompt's first 64 tokens "
+                        "hashed onto a worker")  # fmt: skip
+    p.add_argument("--cache-index-blocks", type=int, default=d.cache_index_blocks,
+                   help="prefix-block hashes --routing kv remembers (least recently used forgotten first)")  # fmt: skip
+    p.add_argument("--kv-weights", type=_weights, default=d.kv_weights, metavar="PREFIX,LOAD,FREE_KV",
+                   help="--routing kv's score: weights of the prompt's cached share, low outstanding tokens and "
+                        "free KV blocks")  # fmt: skip
     p.add_argument("--affinity-load-factor", type=float, default=d.affinity_load_factor,
                    help="a session keeps its worker unless that is above this times the mean load")  # fmt: skip
     p.add_argument("--max-retries", type=int, default=d.max_retries,
@@ -168,6 +185,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         long_pause_kv_usage=a.long_pause_kv_usage, max_queued=a.max_queued, queue_timeout_s=a.queue_timeout,
         no_worker_timeout_s=a.no_worker_timeout,
         redis_url=redis_url, redis_claims_per_worker=a.redis_claims_per_worker,
+        routing=a.routing, cache_index_blocks=a.cache_index_blocks, kv_weights=a.kv_weights,
         affinity_load_factor=a.affinity_load_factor, max_retries=a.max_retries,
         retry_backoff_ms=a.retry_backoff_ms, stats_interval_s=a.stats_interval,
         discovery_interval_s=a.discovery_interval, breaker=breaker, sm4_key_dir=a.sm4_key_dir,

@@ -13,6 +13,9 @@ from glm5.serving import DEFAULT_CONNECTIONS, ConnectionLimits
 ThinkingPolicy = Literal["off", "light", "deep", "auto"]
 
 
+ROUTING = ("kv", "load", "session")
+
+
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
     error_rate: float = 0.5  # open when this share of recent calls failed ...
@@ -73,6 +76,11 @@ class RouterConfig:
     redis_url: str | None = field(default=None, repr=False)  # may hold a password
     redis_claims_per_worker: int = 8  # requests a router takes from the shared queue per routable worker
     # routing
+    # kv: by the prompt tokens a worker holds in its prefix cache (its cache events) and its load; load: least
+    # outstanding tokens; session: rendezvous hashing of the session id or the prompt's first 64 tokens
+    routing: str = "kv"
+    cache_index_blocks: int = 262144  # block hashes the kv index keeps (LRU); ~64 MiB at the cap
+    kv_weights: tuple[float, float, float] = (3.0, 1.0, 1.0)  # prefix hit share, low load, free KV (docs/router.md)
     affinity_load_factor: float = 1.25  # no worker above ceil(c * mean load) for affine requests
     max_retries: int = 2  # retries of a request that has not streamed a token yet
     retry_backoff_ms: float = 50.0  # first backoff; doubles, with full jitter
@@ -130,6 +138,12 @@ class RouterConfig:
             raise ConfigError("--redis-claims-per-worker must be >= 1")
         if self.max_queued < 1 or self.queue_timeout_s <= 0 or self.default_max_new_tokens < 1:
             raise ConfigError("--max-queued, --queue-timeout and --default-max-new-tokens must be positive")
+        if self.routing not in ROUTING:
+            raise ConfigError(f"--routing must be one of {', '.join(ROUTING)}, not {self.routing!r}")
+        if self.cache_index_blocks < 1:
+            raise ConfigError("--cache-index-blocks must be >= 1")
+        if len(self.kv_weights) != 3 or min(self.kv_weights) < 0 or not any(self.kv_weights):
+            raise ConfigError("--kv-weights takes three weights >= 0, not all 0 (prefix hit, load, free KV)")
         if self.affinity_load_factor < 1 or self.max_retries < 0 or self.retry_backoff_ms < 0:
             raise ConfigError("--affinity-load-factor must be >= 1; retries and backoff >= 0")
         if self.thinking_policy not in ("off", "light", "deep", "auto"):

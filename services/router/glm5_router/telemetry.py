@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from glm5.errors import ConfigError
 from glm5.v1 import worker_pb2
@@ -47,6 +48,10 @@ WORKER_GAUGES = (
     ("glm5_worker_prefix_cache_hit_ratio", "Share of prompt tokens served from the prefix cache",
      "prefix_cache_hit_rate", 1.0),
 )  # fmt: skip
+
+if TYPE_CHECKING:
+    from glm5_router.workers.cache_index import CacheIndex
+    from glm5_router.workers.picker import RoutedTokens
 
 WorkerSnapshot = tuple[str, bool, worker_pb2.WorkerStats | None]  # breaker state, healthy, last stats
 
@@ -134,6 +139,33 @@ def _speculative(polled: dict[str, worker_pb2.WorkerStats]) -> Iterator[Metric]:
     yield by_position
 
 
+class _CacheRouting(Collector):
+    """--routing kv: the cache index's size against its cap, what it forgot for room, resynchronisations per
+    worker, and the prompt tokens routed against those the chosen worker was believed to hold."""
+
+    def __init__(self, index: CacheIndex, routed: RoutedTokens) -> None:
+        self.index = index
+        self.routed = routed
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("glm5_router_cache_index_blocks", "Prefix-block hashes in the kv routing index",
+                                value=len(self.index))  # fmt: skip
+        yield GaugeMetricFamily("glm5_router_cache_index_capacity_blocks", "The index's cap (--cache-index-blocks)",
+                                value=self.index.capacity)  # fmt: skip
+        yield CounterMetricFamily("glm5_router_cache_index_evictions", "Hashes the index forgot for room",
+                                  value=self.index.evictions)  # fmt: skip
+        resyncs = CounterMetricFamily("glm5_router_cache_index_snapshots", "Snapshots of a worker's prefix cache "
+                                      "applied (its first, then after a gap, restart or weight swap)",
+                                      labels=["worker"])  # fmt: skip
+        for address, n in self.index.resyncs.items():
+            resyncs.add_metric([address], n)
+        yield resyncs
+        yield CounterMetricFamily("glm5_router_routed_prompt_tokens", "Prompt tokens routed by --routing kv",
+                                  value=self.routed.prompt)  # fmt: skip
+        yield CounterMetricFamily("glm5_router_routed_cached_tokens", "Of those, the tokens the chosen worker was "
+                                  "believed to hold in its prefix cache", value=self.routed.cached)  # fmt: skip
+
+
 class Telemetry:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -157,6 +189,9 @@ class Telemetry:
 
     def watch(self, depth: Callable[[], dict[str, int]], workers: Callable[[], dict[str, WorkerSnapshot]]) -> None:
         self.registry.register(_LiveState(depth, workers))
+
+    def watch_cache(self, index: CacheIndex, routed: RoutedTokens) -> None:
+        self.registry.register(_CacheRouting(index, routed))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="L1 indexer keys (auto: --kv-cache-dtype); bfloat16 halves them for a float32 model and "
                    "speeds up long-context top-k selection")  # fmt: skip
     p.add_argument("--l1-tokens", type=int, default=d.l1_tokens, help="recent tokens kept at model precision")
+    p.add_argument("--cache-event-log", type=int, default=d.cache_event_log,
+                   help="prefix-cache events kept for routers that route by cache (--routing kv); a router further "
+                        "behind gets a snapshot")  # fmt: skip
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="sequences running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per-step budget")
@@ -148,6 +151,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_index_dtype=a.kv_index_dtype,
         l1_tokens=a.l1_tokens,
         enable_prefix_caching=not a.no_prefix_caching,
+        cache_event_log=a.cache_event_log,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_waiting=a.max_waiting,

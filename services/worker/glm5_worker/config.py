@@ -43,6 +43,7 @@ class EngineConfig:
     kv_index_dtype: str = "auto"  # L1 indexer keys: auto = kv_cache_dtype; bfloat16 halves them in float32
     l1_tokens: int = 128
     enable_prefix_caching: bool = True
+    cache_event_log: int = 65536  # prefix-cache events kept for routers (kv.events); one further behind resyncs
     # scheduling
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
@@ -104,6 +105,8 @@ class EngineConfig:
             raise ConfigError("--kv-cache-bytes must be > 0 or 'auto'")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ConfigError("kv_memory_fraction must be in (0, 1]")
+        if self.cache_event_log < 1:
+            raise ConfigError("--cache-event-log must be >= 1")
         if self.l1_tokens < 0 or self.dense_warmup_tokens < 0:
             raise ConfigError("l1_tokens and dense_warmup_tokens must be >= 0")
         if self.sparsity_widen_factor < 1 or self.sparsity_patience < 1 or self.entropy_interval < 1:

@@ -95,6 +95,15 @@ def _workers(n: int) -> list[Worker]:
                    healthy=True) for i in range(n)]  # fmt: skip
 
 
+def _picker(routing: str = "load") -> Picker:
+    return Picker(RouterConfig(workers=("x:1",), routing=routing))
+
+
+def _req(affinity: str | None = None, ids: list[int] | None = None) -> Job:
+    request = worker_pb2.GenerateRequest(prompt_token_ids=ids or [])
+    return Job("j", request, len(ids or []), 16, "short", time.monotonic() + 60, affinity)
+
+
 def _spec(drafted: int, accepted: int) -> worker_pb2.WorkerStats:
     return worker_pb2.WorkerStats(speculative=worker_pb2.SpeculativeStats(
         method="mtp", num_speculative_tokens=3, drafts_total=drafted // 3, draft_tokens_total=drafted,
@@ -156,27 +165,27 @@ def test_acceptance_below_the_workers_own_baseline_or_implausibly_high_is_a_soft
 
 def test_least_outstanding_with_round_robin_ties() -> None:
     ws = _workers(3)
-    p = Picker(1.25)
-    picked = Counter(p.pick(ws, None).address for _ in range(9))  # type: ignore[union-attr]
+    p = _picker()
+    picked = Counter(p.pick(ws, _req()).address for _ in range(9))  # type: ignore[union-attr]
     assert set(picked.values()) == {3}  # idle pool: spread evenly
     ws[0].outstanding_tokens = 100
     ws[1].outstanding_tokens = 10
-    assert {p.pick(ws, None).address for _ in range(5)} == {ws[2].address}  # type: ignore[union-attr]
+    assert {p.pick(ws, _req()).address for _ in range(5)} == {ws[2].address}  # type: ignore[union-attr]
 
 
 def test_affinity_is_sticky_but_bounded() -> None:
     ws = _workers(4)
-    p = Picker(1.25)
-    home = p.pick(ws, "session-1")
-    assert home is not None and all(p.pick(ws, "session-1") is home for _ in range(5))
-    homes = {p.pick(ws, f"s{i}").address for i in range(40)}  # type: ignore[union-attr]
+    p = _picker("session")
+    home = p.pick(ws, _req("session-1"))
+    assert home is not None and all(p.pick(ws, _req("session-1")) is home for _ in range(5))
+    homes = {p.pick(ws, _req(f"s{i}")).address for i in range(40)}  # type: ignore[union-attr]
     assert len(homes) == 4  # keys spread over workers
     # A hot session: its home fills up to the bound, then the overflow goes elsewhere.
     for w in ws:
         w.in_flight = 0
     placed = []
     for _ in range(12):
-        w = p.pick(ws, "hot")
+        w = p.pick(ws, _req("hot"))
         assert w is not None
         w.in_flight += 1
         placed.append(w.address)
@@ -187,10 +196,10 @@ def test_open_breaker_is_skipped() -> None:
     ws = _workers(2)
     ws[0].breaker.state = State.OPEN
     ws[0].breaker._open_until = time.monotonic() + 60
-    assert {Picker(1.25).pick(ws, None).address for _ in range(4)} == {ws[1].address}  # type: ignore[union-attr]
+    assert {_picker().pick(ws, _req()).address for _ in range(4)} == {ws[1].address}  # type: ignore[union-attr]
     ws[1].breaker.state = State.OPEN
     ws[1].breaker._open_until = time.monotonic() + 60
-    assert Picker(1.25).pick(ws, None) is None
+    assert _picker().pick(ws, _req()) is None
 
 
 def _job(i: int, lane: str = "short", prompt: int = 10, new: int = 10) -> Job:
@@ -301,19 +310,19 @@ def test_the_pool_ejects_at_most_its_share_and_never_the_last_worker() -> None:
 def test_a_degraded_worker_gets_less_traffic() -> None:
     ws = _workers(2)
     ws[0].breaker.degraded["attention_entropy_drift"] = 0.5
-    picked = Counter(Picker(1.25).pick(ws, None).address for _ in range(10))  # type: ignore[union-attr]
+    picked = Counter(_picker().pick(ws, _req()).address for _ in range(10))  # type: ignore[union-attr]
     assert picked[ws[1].address] == 10  # equal loads: the healthy one wins every tie
     ws[1].outstanding_tokens = 100
-    assert Picker(1.25).pick(ws, None) is ws[0]  # but a degraded idle worker beats a busy healthy one
+    assert _picker().pick(ws, _req()) is ws[0]  # but a degraded idle worker beats a busy healthy one
 
 
 class PoisonPicker(Picker):
     """A picker that fails on one affinity key: stands for any error while dispatching one job."""
 
-    def pick(self, workers: list[Worker], affinity_key: str | None) -> Worker | None:
-        if affinity_key == "poison":
+    def pick(self, workers: list[Worker], job: Job) -> Worker | None:
+        if job.affinity_key == "poison":
             raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
-        return super().pick(workers, affinity_key)
+        return super().pick(workers, job)
 
 
 def test_an_error_dispatching_one_job_fails_that_job_alone() -> None:
@@ -322,7 +331,7 @@ def test_an_error_dispatching_one_job_fails_that_job_alone() -> None:
 
     async def go() -> None:
         d = RecordingDispatcher(RouterConfig(workers=("w:1",), max_wait_ms=0))
-        d.picker = PoisonPicker(1.25)
+        d.picker = PoisonPicker(d.config)
         (w,) = _workers(1)
         d.pool.workers[w.address] = w
         loop = asyncio.get_running_loop()

@@ -64,7 +64,7 @@ class Dispatcher:
         self._batches: dict[str, Batch] = {}
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self.picker = Picker(config.affinity_load_factor)
+        self.picker = Picker(config, pool.cache_index)
         self.retries = 0
         self.batches_sent = 0
         self.failures = 0  # dispatch errors since start (a job failed alone, or a loop round)
@@ -213,7 +213,7 @@ class Dispatcher:
                 return
             candidates = [w for w in workers if w.address not in job.failed_on] or workers
             try:
-                worker = self.picker.pick(candidates, job.affinity_key)
+                worker = self.picker.pick(candidates, job)
             except Exception as exc:  # this job's own fault or not: it fails alone, the queue goes on
                 self.queues.pop(job)
                 self._fail(job, exc)

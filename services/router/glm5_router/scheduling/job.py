@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from glm5.kvcache.prefix import prompt_block_hashes
 from glm5.v1 import worker_pb2
 
 if TYPE_CHECKING:
@@ -37,6 +38,14 @@ class Job:
     lone_close_hold: int = 0  # characters of output that wait to see whether a lone </think> makes them reasoning
     failed_on: set[str] = field(default_factory=set)  # workers that failed it (avoided on retry)
     trace_context: Any = None  # the request's server span, parent of the worker-call spans (passed, not current)
+    _block_hashes: dict[int, list[bytes]] = field(default_factory=dict)  # per block size, computed once
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """The prompt's prefix-block hashes as a worker with `block_size` computes them (glm5.kvcache.prefix)."""
+        hashes = self._block_hashes.get(block_size)
+        if hashes is None:
+            hashes = self._block_hashes[block_size] = prompt_block_hashes(self.request.prompt_token_ids, block_size)
+        return hashes
 
     @property
     def kv_cost(self) -> int:

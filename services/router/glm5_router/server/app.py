@@ -78,6 +78,8 @@ async def start_router(config: RouterConfig) -> RouterApp:
     telemetry.watch(
         queues.depth, lambda: {a: (w.breaker.current().value, w.healthy, w.stats) for a, w in pool.workers.items()}
     )
+    if pool.cache_index is not None:
+        telemetry.watch_cache(pool.cache_index, dispatcher.picker.routed)
     frontend = Frontend(config, pool, dispatcher)
     await pool.start()
     dispatcher.start()

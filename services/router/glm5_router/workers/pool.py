@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from glm5_router.config import RouterConfig
 from glm5_router.workers.breaker import CircuitBreaker, State
+from glm5_router.workers.cache_index import CacheIndex
 from glm5_router.workers.stream import WorkerStream
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Worker:
     info: worker_pb2.ModelInfo | None = None
     outstanding_tokens: int = 0  # sum of max_new_tokens of requests assigned and not finished
     in_flight: int = 0
+    cache_block_size: int = 0  # tokens per block of its prefix-cache events; 0 until it reports any
     excluded: str = ""  # why it is never used (tokenizer mismatch)
     refused: bool = False  # its last answer was UNAUTHENTICATED (the router lacks the internal token): logged once
     requests: WorkerStream = field(init=False)  # Generate requests, multiplexed over one stream
@@ -72,8 +74,13 @@ class WorkerPool:
     model_info: worker_pb2.ModelInfo | None = None
     on_change: Callable[[], None] = lambda: None  # the dispatcher's wake-up
     on_breaker: Callable[[str, State, str], None] = lambda address, state, reason: None
+    cache_index: CacheIndex | None = None  # --routing kv: which worker holds which prefix blocks
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if self.config.routing == "kv" and self.cache_index is None:
+            self.cache_index = CacheIndex(self.config.cache_index_blocks)
 
     async def start(self) -> None:
         await self._discover()
@@ -138,6 +145,8 @@ class WorkerPool:
             log.info("worker %s added", address)
         for address in set(self.workers) - want:
             worker = self.workers.pop(address)
+            if self.cache_index is not None:
+                self.cache_index.drop(address)
             log.info("worker %s removed (no longer discovered)", address)
             worker.requests.drain()
             await worker.channel.close(grace=30)  # in-flight requests may finish
@@ -174,7 +183,7 @@ class WorkerPool:
     async def _poll(self, worker: Worker) -> None:
         timeout = max(0.5, self.config.stats_interval_s)
         try:
-            stats = await worker.stub.GetStats(worker_pb2.GetStatsRequest(), timeout=timeout)
+            stats = await worker.stub.GetStats(self._stats_request(worker), timeout=timeout)
             if worker.info is None:
                 info = await worker.stub.GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=timeout)
                 # info is recorded only once the tokenizer is adopted: a worker whose GetTokenizer failed is asked
@@ -194,6 +203,10 @@ class WorkerPool:
                 self.on_change()
             worker.healthy = False
             return
+        if stats.HasField("cache_events") and self.cache_index is not None:
+            self.cache_index.apply(worker.address, stats.cache_events)
+            worker.cache_block_size = stats.cache_events.block_size
+            stats.ClearField("cache_events")  # a snapshot can be large: the index has it now
         worker.stats, worker.refused = stats, False
         worker.breaker.observe(stats)
         if not worker.healthy:
@@ -202,6 +215,12 @@ class WorkerPool:
             self.on_change()
         if self.tokenizer is not None and not worker.excluded:
             self._ready.set()  # after `healthy`: whoever waits for ready finds a routable worker
+
+    def _stats_request(self, worker: Worker) -> worker_pb2.GetStatsRequest:
+        if self.cache_index is None:
+            return worker_pb2.GetStatsRequest()
+        epoch, seq = self.cache_index.cursor(worker.address)
+        return worker_pb2.GetStatsRequest(cache_events=True, cache_epoch=epoch, cache_seq=seq)
 
     async def _serving(self, worker: Worker) -> bool:
         try:

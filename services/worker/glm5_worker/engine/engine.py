@@ -184,7 +184,9 @@ class Engine:
         c = self.config
         self.pool_plan = p = self.runner.init_kv(total_bytes)
         l1 = self.resolved.cache.l1_tokens
-        self.blocks = BlockManager(p.num_fp_blocks, p.num_q_blocks, c.block_size, l1, c.enable_prefix_caching)
+        self.blocks = BlockManager(
+            p.num_fp_blocks, p.num_q_blocks, c.block_size, l1, c.enable_prefix_caching, c.cache_event_log
+        )
         self.scheduler = Scheduler(self.blocks, c.max_num_seqs, c.max_num_batched_tokens)
         log.info(
             "KV pool: %d L1 + %d L2 blocks of %d tokens (%.1f MiB%s, %d tokens)",
