@@ -53,6 +53,7 @@ BENCHMARKS = [
     Benchmark("rl_loop", True, 180, "| loop | wall time (s) |"),
     Benchmark("rl_scale", True, 120, "| transport | seconds | GB/s | vs collective |"),
     Benchmark("router", True, 180, "fixed 100 ms window"),
+    Benchmark("routing", False, 120, "| routing | hit rate | ideal | vs ideal |"),
     Benchmark("scaling_plan", False, 30, "int4-experts"),
     Benchmark("speculative", False, 60, "| method | k | ms/token | vs off |"),
     Benchmark("tensor_parallel", False, 120, "collectives ms"),

@@ -165,6 +165,12 @@ class Router(Spec):
     queues: Queues = Field(default_factory=Queues)
     redis: Redis | None = Field(None, description="Shared Redis queue; in-process queues when unset.")
     circuit_breaker: CircuitBreaker = Field(default_factory=CircuitBreaker)
+    routing: Literal["kv", "load", "session"] = Field(
+        "kv", description="kv: to the worker holding most of the prompt in its prefix cache (its cache events), "
+        "weighed with its load; load: least outstanding tokens; session: a session id or the prompt's first 64 "
+        "tokens hashed onto a worker.")  # fmt: skip
+    cache_index_blocks: int = Field(262144, ge=1, description="Prefix-block hashes the kv routing index keeps "
+                                    "(least recently used forgotten first; ~64 MiB at the default).")  # fmt: skip
     sm4_key_secret: str | None = Field(None, description="Secret with SM4-GCM payload keys (key id -> key).")
     thinking_policy: Literal["off", "light", "deep", "auto"] = Field("auto", description="Default thinking mode.")
 

@@ -75,6 +75,8 @@ def router_settings(instance: str, namespace: str, spec: GLM5DeploymentSpec) -> 
         "breaker-half-open-share": cb.half_open_share,
         "sm4-key-dir": SM4_DIR if r.sm4_key_secret else None,
         "thinking-policy": r.thinking_policy,
+        "routing": r.routing,
+        "cache-index-blocks": r.cache_index_blocks,
         **tls,
         # workers are dialled by pod address: their certificate names their Service
         "tls-server-name": f"{worker_name(instance)}.{namespace}.svc" if tls else None,

@@ -145,7 +145,7 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
                    "redis": {"urlSecret": {"name": "redis", "key": "url"}},
                    "circuitBreaker": {"kvFragmentation": 0.7, "sustainedSeconds": 10, "specWindowTokens": 512,
                                       "specAcceptanceDrop": 0.4, "specAcceptanceMax": 0.99}, "sm4KeySecret": "keys",
-                   "thinkingPolicy": "deep"},
+                   "thinkingPolicy": "deep", "routing": "session", "cacheIndexBlocks": 1000},
     })  # fmt: skip
     (cm,) = [c.manifest for c in deployment_children("glm5", "ml", spec, CONFIG) if c.name == "glm5-router-config"]
     path = tmp_path / "router.json"
@@ -173,6 +173,7 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
     b = router.breaker
     assert (b.spec_window_tokens, b.spec_acceptance_drop, b.spec_acceptance_max) == (512, 0.4, 0.99)
     assert router.sm4_key_dir == "/etc/glm5/sm4" and router.thinking_policy == "deep"
+    assert (router.routing, router.cache_index_blocks) == ("session", 1000)
     assert router.default_max_new_tokens == 300
 
 

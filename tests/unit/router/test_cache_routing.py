@@ -71,8 +71,8 @@ def test_kv_routing_follows_the_cached_prefix_within_the_load_bound() -> None:
         w.in_flight = 1
     first.outstanding_tokens = 64
     assert picker.pick(ws, _job(system + [5])) is first
-    # ...until the bound: no worker above ceil(1.25 * (in-flight + 1) / workers) = ceil(1.25 * 6 / 3) = 3
-    first.in_flight = 3
+    # ...until the bound: no worker above ceil(1.25 * (in-flight + 1) / workers) + 1 = ceil(1.25 * 7 / 3) + 1 = 4
+    first.in_flight = 4
     assert picker.pick(ws, _job(system + [6])) is not first
     # an unseen prompt goes to the least loaded; ties rotate over the idle ones
     for w in ws:

@@ -27,6 +27,9 @@ from glm5_router.workers.cache_index import CacheIndex
 from glm5_router.workers.pool import Worker
 
 
+KV_SLACK = 1  # kv routing lets a worker one request past the bound: a burst sharing a prefix stays together
+
+
 def _score(key: str, address: str) -> int:
     data = f"{key}\0{address}".encode("utf-8", "surrogatepass")  # any str hashes; intake refuses such keys anyway
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
@@ -80,10 +83,10 @@ class Picker:
         return sorted(self._rotated(workers), key=lambda w: ((w.outstanding_tokens + 1) / w.breaker.weight,
                                                             w.in_flight / w.breaker.weight))  # fmt: skip  # ties rotate
 
-    def _bounded(self, ranked: list[Worker]) -> list[Worker]:
-        """`ranked` with the workers at the load bound moved to the end (in their order)."""
+    def _bounded(self, ranked: list[Worker], slack: int = 0) -> list[Worker]:
+        """`ranked` with the workers at the load bound (plus `slack` requests) moved to the end (in their order)."""
         total = sum(w.in_flight for w in ranked)
-        bound = math.ceil(self.load_factor * (total + 1) / len(ranked))
+        bound = math.ceil(self.load_factor * (total + 1) / len(ranked)) + slack
         return [w for w in ranked if w.in_flight + 1 <= bound] + [w for w in ranked if w.in_flight + 1 > bound]
 
     def _by_cache(self, workers: list[Worker], job: Job) -> tuple[list[Worker], dict[str, int]]:
@@ -102,4 +105,4 @@ class Picker:
             value = w_prefix * hits.get(w.address, 0) / prompt + w_load * (1 - load) + w_kv * (1 - w.kv_usage)
             return value * w.breaker.weight
 
-        return self._bounded(sorted(self._rotated(workers), key=score, reverse=True)), hits  # ties rotate
+        return self._bounded(sorted(self._rotated(workers), key=score, reverse=True), KV_SLACK), hits  # ties rotate
