@@ -26,7 +26,6 @@ from glm5_router.scheduling.job import Job
 from glm5_router.workers.cache_index import CacheIndex
 from glm5_router.workers.pool import Worker
 
-
 KV_SLACK = 1  # kv routing lets a worker one request past the bound: a burst sharing a prefix stays together
 
 
