@@ -110,6 +110,12 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(checkpoint) -> None:
     assert second[-1].cached_prompt_tokens >= 16 * ((len(shared) + 1) // 16) - 16 > 0
     assert tokens(first) == tokens(second)
     assert engine.stats().kv.prefix_hit_rate > 0
+    # a request that finishes in its prefill step (one token: scoring, classification) leaves its prompt cached
+    other = prompts(1, seed=8)[0] * 4
+    engine.add_request("c", None, other, greedy(1))
+    run(engine)
+    engine.add_request("d", None, other + [9], greedy(1))
+    assert run(engine)["d"][-1].cached_prompt_tokens >= 16 * (len(other) // 16) - 16 > 0
 
 
 def _prompt_logprobs_with_tier(path: Path, prompt: list[int], **kw) -> tuple[list[float], int]:

@@ -358,8 +358,9 @@ class Engine:
             self._propose(scheduled, starts)
         copies: list[tuple[int, int]] = []
         for seq in scheduled:
+            # a sequence that finished in this step leaves its blocks cached too (a one-token request's prompt)
+            self.blocks.register_full_blocks(seq)
             if not seq.is_finished:
-                self.blocks.register_full_blocks(seq)
                 copies.extend(self.blocks.demote(seq))
         if copies:
             self.runner.demote(copies)
