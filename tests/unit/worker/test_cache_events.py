@@ -4,32 +4,17 @@ snapshot after a gap (more events than the log keeps), a restart or a weight swa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from glm5.kvcache.prefix import prompt_block_hashes
 from glm5_worker.kv.block_manager import BlockManager
 from glm5_worker.kv.events import CacheEvents
 
-
-@dataclass
-class Seq:
-    tokens: list[int]
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_registered_blocks: int = 0
-    num_computed_tokens: int = 0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.tokens
+from tests.unit.worker.test_block_manager import Seq, compute
 
 
 def _prefill(bm: BlockManager, tokens: list[int]) -> Seq:
     seq = Seq(tokens)
     bm.match_prefix(seq)
-    assert bm.ensure_slots(seq, len(tokens) - seq.num_computed_tokens)
-    seq.num_computed_tokens = len(tokens)
-    bm.register_full_blocks(seq)
+    compute(bm, seq, len(tokens) - seq.num_computed_tokens)
     return seq
 
 
