@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -359,26 +359,13 @@ class OpenAIServer:
 
         head = {"id": cid, "object": "text_completion", "created": created, "model": model}
         if fields.get(body, "stream", bool, False):
-            streams = await _primed_all(streams)
-            sse = await self._start_sse(request)
-            finals: dict[int, worker_pb2.GenerateResponse] = {}
-            try:
-                async for i, d in _merged(streams):
-                    finish = FINISH.get(d.response.finish_reason)
-                    text = choices[i].text(d)
-                    if text or finish:
-                        await _send(sse, {**head, "choices": [choice_json(choices[i], text, finish, d.response)]})
-                    if finish:
-                        finals[i] = d.response
-                if len(finals) == len(streams) and (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(sse, {**head, "choices": [], "usage": _usage(finals, n)})
-            except ConnectionError:  # the client left: its requests are cancelled as the streams close
-                log.info("client %s left request %s", request.remote, inp.request_id)
-                return sse
-            except Exception as exc:
-                await _send(sse, to_api_error(exc).body())
-            await sse.write(b"data: [DONE]\n\n")
-            return sse
+
+            def chunk(i: int, d: Delta) -> dict[str, Any] | None:
+                finish = FINISH.get(d.response.finish_reason)
+                text = choices[i].text(d)
+                return choice_json(choices[i], text, finish, d.response) if text or finish else None
+
+            return await self._stream(request, inp.request_id, streams, head, body, n, chunk)
 
         async def collect(c: _TextChoice, stream: AsyncIterator[Delta]) -> tuple[dict[str, Any], Any]:
             parts, merged, last = [], worker_pb2.GenerateResponse(), None
@@ -486,45 +473,32 @@ class OpenAIServer:
 
         if fields.get(body, "stream", bool, False):
             head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
-            streams = await _primed_all(streams)
-            sse = await self._start_sse(request)
-            for i in range(n):
-                await _send(sse, {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                       "finish_reason": None}]})  # fmt: skip
-            n_calls, finals = [0] * n, {}
-            try:
-                async for i, d in _merged(streams):
-                    delta: dict[str, Any] = {}
-                    if d.reasoning:
-                        delta["reasoning_content"] = d.reasoning
-                    if d.content:
-                        delta["content"] = d.content
-                    calls = [r for r in d.tool_results if isinstance(r, ToolCall)]
-                    errors = [r for r in d.tool_results if isinstance(r, ToolCallError)]
-                    if calls:
-                        delta["tool_calls"] = [_tool_call_json(c, n_calls[i] + k) for k, c in enumerate(calls)]
-                        n_calls[i] += len(calls)
-                    if errors:
-                        delta["tool_call_errors"] = [{"name": e.name, "error": e.error} for e in errors]
-                    finish = FINISH.get(d.response.finish_reason)
-                    if finish == "stop" and n_calls[i]:
-                        finish = "tool_calls"
-                    choice = {"index": i, "delta": delta, "finish_reason": finish}
-                    if base.return_logprobs:
-                        choice["logprobs"] = lp_json(list(d.response.logprobs))
-                    if delta or finish or (base.return_logprobs and d.response.logprobs):
-                        await _send(sse, {**head, "choices": [choice]})
-                    if finish:
-                        finals[i] = d.response
-                if len(finals) == len(streams) and (body.get("stream_options") or {}).get("include_usage"):
-                    await _send(sse, {**head, "choices": [], "usage": _usage(finals, n)})
-            except ConnectionError:  # the client left: its requests are cancelled as the streams close
-                log.info("client %s left request %s", request.remote, inp.request_id)
-                return sse
-            except Exception as exc:
-                await _send(sse, to_api_error(exc).body())
-            await sse.write(b"data: [DONE]\n\n")
-            return sse
+            n_calls = [0] * n
+
+            def chunk(i: int, d: Delta) -> dict[str, Any] | None:
+                delta: dict[str, Any] = {}
+                if d.reasoning:
+                    delta["reasoning_content"] = d.reasoning
+                if d.content:
+                    delta["content"] = d.content
+                calls = [r for r in d.tool_results if isinstance(r, ToolCall)]
+                errors = [r for r in d.tool_results if isinstance(r, ToolCallError)]
+                if calls:
+                    delta["tool_calls"] = [_tool_call_json(c, n_calls[i] + k) for k, c in enumerate(calls)]
+                    n_calls[i] += len(calls)
+                if errors:
+                    delta["tool_call_errors"] = [{"name": e.name, "error": e.error} for e in errors]
+                finish = FINISH.get(d.response.finish_reason)
+                if finish == "stop" and n_calls[i]:
+                    finish = "tool_calls"
+                choice = {"index": i, "delta": delta, "finish_reason": finish}
+                if base.return_logprobs:
+                    choice["logprobs"] = lp_json(list(d.response.logprobs))
+                return choice if delta or finish or (base.return_logprobs and d.response.logprobs) else None
+
+            opening = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                       for i in range(n)]  # fmt: skip
+            return await self._stream(request, inp.request_id, streams, head, body, n, chunk, opening)
 
         async def collect(i: int, stream: AsyncIterator[Delta]) -> tuple[dict[str, Any], Any]:
             reasoning, content, calls, errors, last = [], [], [], [], None
@@ -552,6 +526,42 @@ class OpenAIServer:
         usage = _usage({i: r for i, (_, r) in enumerate(done)}, n)
         return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
                                   "choices": [c for c, _ in done], "usage": usage})  # fmt: skip
+
+    async def _stream(
+        self,
+        request: web.Request,
+        request_id: str,
+        streams: list[AsyncIterator[Delta]],
+        head: dict[str, Any],
+        body: dict[str, Any],
+        n: int,
+        chunk: Callable[[int, Delta], dict[str, Any] | None],
+        opening: Sequence[dict[str, Any]] = (),
+    ) -> web.StreamResponse:
+        """The SSE answer of a completion or chat request: `opening` choices first, then `chunk(i, delta)` (None:
+        nothing to send) for each choice's deltas as they come, the usage chunk if asked, errors as an error
+        event, then [DONE]. The streams start (the first token or an error) before the 200 goes out."""
+        streams = await _primed_all(streams)
+        sse = await self._start_sse(request)
+        for first in opening:
+            await _send(sse, {**head, "choices": [first]})
+        finals: dict[int, worker_pb2.GenerateResponse] = {}
+        try:
+            async for i, d in _merged(streams):
+                choice = chunk(i, d)
+                if choice is not None:
+                    await _send(sse, {**head, "choices": [choice]})
+                if FINISH.get(d.response.finish_reason):
+                    finals[i] = d.response
+            if len(finals) == len(streams) and (body.get("stream_options") or {}).get("include_usage"):
+                await _send(sse, {**head, "choices": [], "usage": _usage(finals, n)})
+        except ConnectionError:  # the client left: its requests are cancelled as the streams close
+            log.info("client %s left request %s", request.remote, request_id)
+            return sse
+        except Exception as exc:
+            await _send(sse, to_api_error(exc).body())
+        await sse.write(b"data: [DONE]\n\n")
+        return sse
 
     async def _start_sse(self, request: web.Request) -> web.StreamResponse:
         sse = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
