@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class Glm5Error(Exception):
     """Base class of the errors this project raises on purpose."""
@@ -21,6 +23,14 @@ class InvalidRequestError(Glm5Error, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def check_vocabulary(field: str, ids: Iterable[int], size: int) -> None:
+    """Every id in 0..size-1, else InvalidRequestError naming the first that is not (one rule wherever ids come
+    in: a prompt, logit bias, stop tokens, a detokenize call)."""
+    bad = next((t for t in ids if not 0 <= t < size), None)
+    if bad is not None:
+        raise InvalidRequestError(field, f"token id {bad} is outside the vocabulary (0..{size - 1})")
 
 
 class CapacityError(Glm5Error):

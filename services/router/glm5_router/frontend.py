@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from glm5.errors import InvalidRequestError, UnavailableError
+from glm5.errors import InvalidRequestError, UnavailableError, check_vocabulary
 from glm5.parsing.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningParser
 from glm5.parsing.tools import ToolCall, ToolCallError, ToolCallParser, ToolRegistry
 from glm5.tokenizer.tokenizer import Tokenizer
@@ -233,11 +233,7 @@ class Frontend:
                 thinking_budget=self.config.light_thinking_budget if thinking == "light" else None,
             )  # fmt: skip
         elif inp.prompt_token_ids:
-            bad = next((t for t in inp.prompt_token_ids if not 0 <= t < tok.vocab_size), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    "prompt_token_ids", f"{bad} is outside the vocabulary (0..{tok.vocab_size - 1})"
-                )
+            check_vocabulary("prompt_token_ids", inp.prompt_token_ids, tok.vocab_size)
             ids, text = list(inp.prompt_token_ids), ""
         elif inp.prompt:
             text = inp.prompt

@@ -50,3 +50,16 @@ def test_prompt_rules() -> None:
         with pytest.raises(InvalidRequestError) as err:
             validate_prompt_ids(ids, CPU)
         assert err.value.field == field
+
+
+def test_token_ids_outside_the_vocabulary_are_named_with_their_field() -> None:
+    cases = [
+        (lambda: validate_prompt_ids([1, 100, 2], CPU), "prompt_token_ids"),
+        (lambda: validate_params(SamplingParams(logit_bias={-1: 1.0}), 5, CPU), "sampling.logit_bias"),
+        (lambda: validate_params(SamplingParams(stop_token_ids=[3, 250]), 5, CPU), "sampling.stop_token_ids"),
+    ]
+    for call, field in cases:
+        with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \(0\.\.99\)") as err:
+            call()
+        assert err.value.field == field
+    validate_prompt_ids([0, 99], CPU)  # both ends are in

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import yaml
 from aiohttp import web
-from glm5.errors import UnavailableError
+from glm5.errors import UnavailableError, check_vocabulary
 from glm5.parsing.reasoning import THINK_CLOSE, THINK_OPEN
 from glm5.parsing.tools import ToolCall, ToolCallError, ToolRegistry, tag_ids
 from glm5.security import Secret
@@ -260,10 +260,7 @@ class OpenAIServer:
         tok = self.frontend.tokenizer
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise ApiError(400, "tokens: a list of token ids", "invalid_request_error", "tokens")
-        bad = next((t for t in tokens if not 0 <= t < tok.vocab_size), None)
-        if bad is not None:
-            raise ApiError(400, f"tokens: {bad} is outside the vocabulary (0..{tok.vocab_size - 1})",
-                           "invalid_request_error", "tokens")  # fmt: skip
+        check_vocabulary("tokens", tokens, tok.vocab_size)
         return web.json_response({"prompt": tok.decode(tokens)})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -6,7 +6,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from glm5.errors import InvalidRequestError
+from glm5.errors import InvalidRequestError, check_vocabulary
 
 from glm5_worker.engine.sequence import SamplingParams
 
@@ -29,11 +29,7 @@ class Limits:
 def validate_prompt_ids(ids: list[int], limits: Limits) -> None:
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty")
-    bad = next((t for t in ids if t < 0 or t >= limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            "prompt_token_ids", f"token id {bad} is outside the vocabulary (0..{limits.vocab_size - 1})"
-        )
+    check_vocabulary("prompt_token_ids", ids, limits.vocab_size)
     if len(ids) >= limits.max_model_len:
         raise InvalidRequestError(
             "prompt",
@@ -60,9 +56,8 @@ def validate_params(params: SamplingParams, num_prompt_tokens: int, limits: Limi
             )
     if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
         raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+    check_vocabulary("sampling.logit_bias", params.logit_bias, limits.vocab_size)
     for token, bias in params.logit_bias.items():
-        if not 0 <= token < limits.vocab_size:
-            raise InvalidRequestError("sampling.logit_bias", f"token id {token} is outside the vocabulary")
         if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise InvalidRequestError("sampling.logit_bias", f"token {token}: bias must be in [-100, 100], got {bias}")
     if not 0 <= params.min_tokens <= params.max_new_tokens:
@@ -81,9 +76,7 @@ def validate_params(params: SamplingParams, num_prompt_tokens: int, limits: Limi
         raise InvalidRequestError("top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {params.top_logprobs}")
     if len(params.stop) > MAX_STOP_STRINGS or any(not s for s in params.stop):
         raise InvalidRequestError("sampling.stop", f"up to {MAX_STOP_STRINGS} non-empty strings")
-    bad = next((t for t in params.stop_token_ids if t < 0 or t >= limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError("sampling.stop_token_ids", f"token id {bad} is outside the vocabulary")
+    check_vocabulary("sampling.stop_token_ids", params.stop_token_ids, limits.vocab_size)
     floor = limits.ascend_temperature_floor
     if limits.is_ascend and 0 < t < floor:
         # low temperatures overflow the fp16 softmax path of Ascend kernels (source material, pitfall list)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import grpc
-from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
+from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError, check_vocabulary
 from glm5.serving import STREAM_ACCEPTED_KEY, RequestFailed, serve_multiplexed
 from glm5.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from glm5.weight_sync import GROUP_NAME, MAX_SENDERS, split_address
@@ -400,12 +400,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def Detokenize(
         self, request: worker_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DetokenizeResponse:
-        vocab = self.engine.engine.tokenizer.vocab_size
-        bad = next((t for t in request.token_ids if t < 0 or t >= vocab), None)
-        if bad is not None:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {bad} is outside the vocabulary (0..{vocab - 1})"
-            )
+        try:
+            check_vocabulary("token_ids", request.token_ids, self.engine.engine.tokenizer.vocab_size)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         text = self.engine.engine.tokenizer.decode(list(request.token_ids), request.skip_special_tokens)
         return worker_pb2.DetokenizeResponse(text=text)
 
