@@ -10,9 +10,13 @@ from collections.abc import Sequence
 import numpy as np
 
 
+def _chain(parent: bytes, block: bytes) -> bytes:
+    return hashlib.sha256(parent + block).digest()[:16]
+
+
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The hash of a block of `tokens` after the block whose hash is `parent` (b"" for the first)."""
-    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()[:16]
+    return _chain(parent, np.asarray(tokens, dtype=np.int64).tobytes())
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -23,6 +27,6 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes
     out: list[bytes] = []
     parent = b""
     for j in range(max(len(token_ids) - 1, 0) // block_size):
-        parent = hashlib.sha256(parent + data[j * step : (j + 1) * step]).digest()[:16]
+        parent = _chain(parent, data[j * step : (j + 1) * step])
         out.append(parent)
     return out
