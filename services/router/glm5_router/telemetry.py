@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from glm5.errors import ConfigError
 from glm5.v1 import worker_pb2
@@ -53,7 +53,13 @@ if TYPE_CHECKING:
     from glm5_router.workers.cache_index import CacheIndex
     from glm5_router.workers.picker import RoutedTokens
 
-WorkerSnapshot = tuple[str, bool, worker_pb2.WorkerStats | None]  # breaker state, healthy, last stats
+
+class WorkerSnapshot(NamedTuple):
+    breaker: str  # its state's value
+    healthy: bool
+    stats: worker_pb2.WorkerStats | None  # as last polled
+    outstanding_tokens: int  # this router's requests to it: their max_new_tokens, summed
+    in_flight: int  # ... and their number
 
 
 class _LiveState(Collector):
@@ -76,18 +82,34 @@ class _LiveState(Collector):
         workers = self.workers()
         b = GaugeMetricFamily("glm5_router_breaker_state", "Circuit breaker per worker: 0 closed, 1 half-open, 2 open",
                               labels=["worker"])  # fmt: skip
-        for worker, (state, _, _) in workers.items():
-            b.add_metric([worker], BREAKER_VALUES[state])
+        for worker, snap in workers.items():
+            b.add_metric([worker], BREAKER_VALUES[snap.breaker])
         yield b
         yield from self._worker_signals(workers)
 
     @staticmethod
     def _worker_signals(workers: dict[str, WorkerSnapshot]) -> Iterator[Metric]:
         up = GaugeMetricFamily("glm5_worker_up", "1 if the worker answered its last health poll", labels=["worker"])
-        for address, (_, healthy, _) in workers.items():
-            up.add_metric([address], 1.0 if healthy else 0.0)
+        for address, snap in workers.items():
+            up.add_metric([address], 1.0 if snap.healthy else 0.0)
         yield up
-        polled = {address: stats for address, (_, _, stats) in workers.items() if stats is not None}
+        # this router's own share of each worker's load: summed over router replicas it is the whole load (an
+        # autoscaling signal); the polled gauges below are the same on every replica
+        inflight = GaugeMetricFamily("glm5_router_inflight_tokens", "Tokens this router's requests to the worker may "
+                                     "still generate (their max_new_tokens)", labels=["worker"])  # fmt: skip
+        requests = GaugeMetricFamily("glm5_router_inflight_requests", "This router's requests the worker has not "
+                                     "finished", labels=["worker"])  # fmt: skip
+        draining = GaugeMetricFamily("glm5_worker_draining", "1 while the worker shuts down (takes no new requests)",
+                                     labels=["worker"])  # fmt: skip
+        for address, snap in workers.items():
+            inflight.add_metric([address], float(snap.outstanding_tokens))
+            requests.add_metric([address], float(snap.in_flight))
+            if snap.stats is not None:
+                draining.add_metric([address], 1.0 if snap.stats.draining else 0.0)
+        yield inflight
+        yield requests
+        yield draining
+        polled = {address: snap.stats for address, snap in workers.items() if snap.stats is not None}
         for name, doc, field, scale in WORKER_GAUGES:
             g = GaugeMetricFamily(name, f"{doc}, as last polled", labels=["worker"])
             for address, stats in polled.items():

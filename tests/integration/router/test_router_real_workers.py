@@ -435,3 +435,53 @@ async def _burst(target: str, n: int) -> list[tuple[str, int, str]]:
             return worker, 4, "ok"
 
         return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_a_worker_drained_by_sigterm_finishes_its_streams_and_gets_no_new_ones(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """A scale-down or a rolling update: SIGTERM. The worker says it is draining in its stats; the router stops
+    picking it at its next poll, and every request, those it was running included, completes."""
+    a_proc, a = start_worker(tiny_model, *WORKER_FLAGS)
+    b_proc, b = start_worker(tiny_model, *WORKER_FLAGS)
+    router, target, base = start_router([a, b], "--routing", "load", log=tmp_path / "router.log")
+
+    async def stream(stub: router_pb2_grpc.RouterStub, i: int, n: int, seen: asyncio.Event | None) -> tuple[str, int]:
+        req = router_pb2.RouterGenerateRequest(request=worker_pb2.GenerateRequest(
+            prompt=f"drain {i}", sampling=sampling(max_new_tokens=n, ignore_eos=True)))  # fmt: skip
+        worker, tokens = "", 0
+        async for r in stub.Generate(req, timeout=120):
+            worker, tokens = r.worker, tokens + len(r.response.token_ids)
+            if seen is not None and worker == a and tokens >= 4:
+                seen.set()
+        return worker, tokens
+
+    async def go() -> tuple[list[tuple[str, int]], list[tuple[str, int]], str, str]:
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            seen = asyncio.Event()
+            running = [asyncio.create_task(stream(stub, i, 200, seen)) for i in range(4)]
+            await asyncio.wait_for(seen.wait(), 120)
+            a_proc.send_signal(signal.SIGTERM)  # mid-stream on worker a
+            await asyncio.sleep(2.5)  # the router's poll (1 s) sees it draining
+            metrics = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(base.removesuffix("/v1") + "/metrics").read().decode()
+            )
+            after = await asyncio.gather(*(stream(stub, 10 + i, 8, None) for i in range(6)))
+            done = list(await asyncio.gather(*running))
+            metrics_after = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(base.removesuffix("/v1") + "/metrics").read().decode()
+            )
+            return done, list(after), metrics, metrics_after
+
+    try:
+        under_load, after, metrics, metrics_after = asyncio.run(go())
+        assert {w for w, _ in under_load} == {a, b} and all(n == 200 for _, n in under_load), under_load
+        assert all(r == (b, 8) for r in after), after
+        assert re.search(rf'glm5_worker_draining\{{worker="{re.escape(a)}"\}} 1\.0', metrics), metrics
+        assert "glm5_router_retries_total 0.0" in metrics_after  # never sent to the draining worker and refused there
+        assert a_proc.wait(60) == 0  # it exited by itself once its streams had finished
+    finally:
+        stop(router)
+        stop(a_proc)
+        stop(b_proc)

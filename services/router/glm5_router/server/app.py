@@ -27,7 +27,7 @@ from glm5_router.scheduling.dispatcher import Dispatcher
 from glm5_router.scheduling.queues import InProcessQueues
 from glm5_router.scheduling.redis_queue import RedisSettings, SharedQueue
 from glm5_router.server.grpc_service import RouterService
-from glm5_router.telemetry import Telemetry, configure_tracing
+from glm5_router.telemetry import Telemetry, WorkerSnapshot, configure_tracing
 from glm5_router.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,11 @@ async def start_router(config: RouterConfig) -> RouterApp:
     queues = InProcessQueues(config.max_queued)
     dispatcher = Dispatcher(config, pool, queues, telemetry)
     telemetry.watch(
-        queues.depth, lambda: {a: (w.breaker.current().value, w.healthy, w.stats) for a, w in pool.workers.items()}
+        queues.depth,
+        lambda: {
+            a: WorkerSnapshot(w.breaker.current().value, w.healthy, w.stats, w.outstanding_tokens, w.in_flight)
+            for a, w in pool.workers.items()
+        },
     )
     if pool.cache_index is not None:
         telemetry.watch_cache(pool.cache_index, dispatcher.picker.routed)

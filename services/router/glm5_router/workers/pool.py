@@ -62,8 +62,13 @@ class Worker:
         return float(self.stats.kv_usage) if self.stats is not None else 0.0
 
     @property
+    def draining(self) -> bool:
+        """It said it is shutting down: it finishes its requests, gets no new ones."""
+        return self.stats is not None and self.stats.draining
+
+    @property
     def routable(self) -> bool:
-        return self.healthy and not self.excluded and self.breaker.current() is not State.OPEN
+        return self.healthy and not self.excluded and not self.draining and self.breaker.current() is not State.OPEN
 
 
 @dataclass
@@ -207,7 +212,11 @@ class WorkerPool:
             self.cache_index.apply(worker.address, stats.cache_events)
             worker.cache_block_size = stats.cache_events.block_size
             stats.ClearField("cache_events")  # a snapshot can be large: the index has it now
+        was_draining = worker.draining
         worker.stats, worker.refused = stats, False
+        if stats.draining != was_draining:
+            log.info("worker %s %s", worker.address, "draining: no new requests" if stats.draining else "serving again")
+            self.on_change()
         worker.breaker.observe(stats)
         if not worker.healthy:
             log.info("worker %s healthy", worker.address)

@@ -284,6 +284,11 @@ class AsyncEngine:
         self._sinks.pop(request_id, None)
         return self.engine.abort(request_id)
 
+    @property
+    def draining(self) -> bool:
+        """Takes no new requests (drain or shutdown began, or the replica was lost)."""
+        return not self._accepting
+
     async def drain(self, grace: float) -> None:
         """Stops taking requests, lets running ones finish within `grace` seconds, aborts the rest."""
         self._accepting = False

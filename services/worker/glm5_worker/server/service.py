@@ -234,6 +234,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             speculative=_speculative(st.speculative),
             cache_events=_cache_events(st.cache, st.block_size),
             mean_token_latency_ms=st.mean_token_latency_ms,
+            draining=self.engine.draining,
             world_size=len(st.ranks),
             ranks=[
                 worker_pb2.RankMemory(
