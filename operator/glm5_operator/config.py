@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 DEFAULT_IMAGE = "ghcr.io/glm5-stack/glm5:0.1.0"
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"  # kube-prometheus-stack's
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +17,8 @@ class OperatorConfig:
     retry_delay_s: float = 5.0  # TemporaryError delay while something the reconcile needs is missing
     worker_startup_seconds: int = 1800  # checkpoint loading budget for the startup probe
     progress_interval_s: float = 15.0  # how often a running RLJob's trainer is asked for its progress
+    # where KEDA's Prometheus triggers query (spec.autoscaling.prometheus.url overrides it)
+    prometheus_url: str = DEFAULT_PROMETHEUS_URL
 
     def __post_init__(self) -> None:
         if not self.image:
@@ -26,6 +29,8 @@ class OperatorConfig:
             )
         if self.progress_interval_s <= 0:
             raise ValueError("GLM5_RLJOB_PROGRESS_SECONDS must be > 0")
+        if not self.prometheus_url.startswith(("http://", "https://")):
+            raise ValueError(f"GLM5_PROMETHEUS_URL must be an http(s) URL, not {self.prometheus_url!r}")
         if self.worker_startup_seconds < 10:
             raise ValueError("GLM5_WORKER_STARTUP_SECONDS must be at least 10")
 
@@ -39,4 +44,5 @@ class OperatorConfig:
             retry_delay_s=float(env.get("GLM5_RETRY_DELAY_SECONDS", "5")),
             worker_startup_seconds=int(env.get("GLM5_WORKER_STARTUP_SECONDS", "1800")),
             progress_interval_s=float(env.get("GLM5_RLJOB_PROGRESS_SECONDS", "15")),
+            prometheus_url=env.get("GLM5_PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL,
         )

@@ -31,6 +31,8 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
     "PersistentVolumeClaim": "persistentvolumeclaims",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "ScaledObject": "scaledobjects",
     "GLM5Deployment": "glm5deployments",
     "RLJob": "rljobs",
 }
@@ -138,6 +140,16 @@ class Kube:
 
     def patch(self, ref: Ref, body: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
         return dict(self._call("PATCH", ref.path(subresource), body, "application/merge-patch+json"))
+
+    def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in `api_version` (a CRD such as KEDA's is installed)."""
+        try:
+            found = self._call("GET", f"/apis/{api_version}")
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in (found or {}).get("resources") or [])
 
     def delete(self, ref: Ref) -> None:
         try:

@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ from glm5_operator.api.rljob import TRAINER_STATUS_PORT
 from glm5_operator.config import OperatorConfig
 from glm5_operator.kube import Kube, Outcome, Ref
 from glm5_operator.ranktable import ANNOTATION, PodDevices, RankTableError, build_rank_table, parse_annotation
-from glm5_operator.render import Child, deployment_children, rljob_children
+from glm5_operator.render import Child, autoscaling, deployment_children, rljob_children
 from glm5_operator.render import rljob as rl
 from glm5_operator.render.common import child_name, selector
 from glm5_operator.render.router import router_endpoints, router_name
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 OWNER_KIND = "glm5.ai/owner-kind"
 OWNER_NAME = "glm5.ai/owner-name"
 DEPLOYMENT, RLJOB = "GLM5Deployment", "RLJob"
+API_CHECK_S = 60.0  # how long a "does the cluster serve KEDA's ScaledObject" answer stands (it is installed rarely)
 # kopf.adopt(manifest, owner) in production; tests may pass the same function.
 Adopt = Callable[[dict[str, Any], dict[str, Any]], None]
 
@@ -81,6 +83,7 @@ class Reconciler:
         # predate a write made by a child event, so they are not a safe base for "did anything change".
         self._written: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._locks_guard = threading.Lock()
+        self._keda: tuple[float, bool] | None = None  # (when asked, whether ScaledObjects are served)
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -132,9 +135,40 @@ class Reconciler:
             self._set_status(body, {}, invalid_spec_conditions(body["metadata"].get("generation"), str(exc)))
             raise
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        outcomes = self._apply(body, deployment_children(name, ns, spec, self.config), new)
+        scaler = self._autoscaler_kind(spec)
+        outcomes = self._apply(body, deployment_children(name, ns, spec, self.config, scaler == "ScaledObject"), new)
+        self._prune_autoscaler(body, scaler)
         self._deployment_status(body, spec)
         return outcomes
+
+    def _autoscaler_kind(self, spec: GLM5DeploymentSpec) -> str | None:
+        a = spec.autoscaling
+        if a is None:
+            return None
+        keda = a.backend == "keda" or (a.backend == "auto" and self._serves_keda())
+        return "ScaledObject" if keda else "HorizontalPodAutoscaler"
+
+    def _serves_keda(self) -> bool:
+        now = time.monotonic()
+        if self._keda is None or now - self._keda[0] > API_CHECK_S:
+            self._keda = (now, self.kube.serves(autoscaling.KEDA_API, "scaledobjects"))
+        return self._keda[1]
+
+    def _prune_autoscaler(self, body: dict[str, Any], rendered: str | None) -> None:
+        """Delete the autoscaler the status names when this render has none of its kind (spec.autoscaling removed,
+        or its backend changed): left behind it would keep writing workers.replicas. The only children the operator
+        deletes."""
+        kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
+        status = self._written.get((kind, ns, name)) or body.get("status") or {}
+        had = str(status.get("autoscaler") or "").partition("/")[0]
+        api_version = dict(autoscaling.KINDS).get(had)
+        if api_version is None or had == rendered:
+            return
+        ref = Ref(api_version, had, ns, autoscaling.autoscaler_name(name))
+        live = self.kube.get(ref)
+        if live is not None and owner_of(live) == (DEPLOYMENT, name):
+            self.kube.delete(ref)
+            log.info("deleted %s %s/%s (no longer in spec.autoscaling)", had, ns, ref.name)
 
     def _deployment_status(self, body: dict[str, Any], spec: GLM5DeploymentSpec) -> None:
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -146,12 +180,15 @@ class Reconciler:
         )
         tables = self._sync_rank_tables(name, ns, spec) if spec.workers.accelerator == "ascend-910b" else None
         conds = deployment_conditions(body["metadata"].get("generation"), workers, router, tables)
+        scaler = self._autoscaler_kind(spec)
         fields: dict[str, Any] = {
             "replicas": spec.workers.replicas,
             "readyReplicas": workers.ready,
             "ready": f"{workers.ready}/{spec.workers.replicas}",
             "selector": ",".join(f"{k}={v}" for k, v in selector(name, "worker").items()),
             "endpoints": router_endpoints(name, ns, spec),
+            # what scales workers.replicas (the reconcile deletes it once no longer rendered)
+            "autoscaler": f"{scaler}/{autoscaling.autoscaler_name(name)}" if scaler else None,
         }
         if tables is not None:
             fields["rankTables"] = {str(r): s for r, s in sorted(tables.statuses.items())}

@@ -201,6 +201,42 @@ class Security(Spec):
     health_port: int = Field(8081, ge=1, le=65535, description="Plain-text gRPC health port for probes under TLS.")
 
 
+class Prometheus(Spec):
+    url: str | None = Field(None, description="Prometheus the autoscaler queries (KEDA; prometheus-adapter has its "
+                            "own). Default: the operator's (GLM5_PROMETHEUS_URL).")  # fmt: skip
+    selector: str | None = Field(
+        None,
+        max_length=1024,
+        description="PromQL label matchers that select this deployment's router pods' series. Default: namespace, "
+        "app_kubernetes_io_instance and app_kubernetes_io_component (what Prometheus' usual kubernetes-pods job "
+        "labels a scraped pod with).",
+    )
+
+
+class Autoscaling(Spec):
+    min_replicas: int = Field(1, ge=1, description="Fewest model replicas.")
+    max_replicas: int = Field(ge=1, description="Most model replicas.")
+    metric: Literal["queueDepth", "kvCacheUtilization", "inflightTokens"] = Field(
+        "queueDepth",
+        description="queueDepth: requests waiting (the routers' queues and the workers' own) per replica; "
+        "kvCacheUtilization: the workers' mean share of KV blocks in use; inflightTokens: tokens the routers' "
+        "requests may still generate (their max_new_tokens) per replica.",
+    )
+    target: float = Field(gt=0, description="The metric's value per replica the autoscaler holds (kvCacheUtilization: "
+                          "a share, 0..1).")  # fmt: skip
+    backend: Literal["auto", "keda", "hpa"] = Field(
+        "auto",
+        description="keda: a KEDA ScaledObject with a Prometheus trigger; hpa: a HorizontalPodAutoscaler on an "
+        "External metric served by prometheus-adapter (with the chart's rules); auto: keda where the ScaledObject "
+        "API is served, else hpa.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        300, ge=0, le=3600, description="Scale down only to the highest replica count wanted over this window."
+    )
+    polling_interval_seconds: int = Field(15, ge=1, description="How often KEDA queries Prometheus.")
+    prometheus: Prometheus = Field(default_factory=Prometheus)
+
+
 class GLM5DeploymentSpec(Spec):
     model: ModelSource
     sparse_attention: SparseAttention = Field(default_factory=SparseAttention)
@@ -209,3 +245,8 @@ class GLM5DeploymentSpec(Spec):
     router: Router = Field(default_factory=Router)
     sampling: Sampling = Field(default_factory=Sampling)
     security: Security = Field(default_factory=Security)
+    autoscaling: Autoscaling | None = Field(
+        None,
+        description="Scale the model replicas (workers.replicas, through the scale subresource) on a serving "
+        "signal; scaled-down workers drain first. Unset: workers.replicas as written.",
+    )

@@ -74,6 +74,13 @@ def deployment_problems(spec: GLM5DeploymentSpec) -> list[str]:
     if sec.health_port in (spec.workers.port, spec.workers.rendezvous_port, spec.router.grpc_port,
                            spec.router.http_port):  # fmt: skip
         out.append(f"spec.security.healthPort: {sec.health_port} is already another port of the deployment")
+    auto = spec.autoscaling
+    if auto is not None:
+        if auto.min_replicas > auto.max_replicas:
+            out.append(f"spec.autoscaling: minReplicas {auto.min_replicas} exceeds maxReplicas {auto.max_replicas}")
+        if auto.metric == "kvCacheUtilization" and auto.target > 1:
+            out.append(f"spec.autoscaling.target: kvCacheUtilization is a share of the KV blocks (0..1), got "
+                       f"{auto.target:g}")  # fmt: skip
     return out
 
 

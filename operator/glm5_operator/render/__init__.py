@@ -9,7 +9,7 @@ from glm5_operator.api.deployment import GLM5DeploymentSpec
 from glm5_operator.api.rljob import RLJobSpec
 from glm5_operator.config import OperatorConfig
 from glm5_operator.ranktable import build_rank_table
-from glm5_operator.render import network, router, workers
+from glm5_operator.render import autoscaling, network, router, workers
 from glm5_operator.render import rljob as rl
 
 
@@ -52,14 +52,19 @@ def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, con
     return out
 
 
-def deployment_children(name: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig) -> list[Child]:
-    """Every child of a GLM5Deployment, in apply order (configuration before what mounts it)."""
+def deployment_children(
+    name: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, keda: bool = False
+) -> list[Child]:
+    """Every child of a GLM5Deployment, in apply order (configuration before what mounts it); `keda`: the cluster
+    serves KEDA's ScaledObject (spec.autoscaling's backend auto picks it)."""
+    scaler = autoscaling.autoscaler(name, namespace, spec, keda, config.prometheus_url)
     return [
         *worker_children(name, namespace, spec, config),
         Child(router.router_config_map(name, namespace, spec)),
         Child(router.router_deployment(name, namespace, spec, config)),
         Child(router.router_service(name, namespace, spec)),
         *([Child(network.router_network_policy(name, namespace, spec))] if spec.security.network_policy else []),
+        *([Child(scaler)] if scaler is not None else []),
     ]
 
 

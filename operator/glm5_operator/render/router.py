@@ -157,7 +157,15 @@ def router_deployment(
             "template": {
                 "metadata": {
                     "labels": labels(instance, COMPONENT),
-                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash(router_settings(instance, namespace, spec))},
+                    "annotations": {
+                        CONFIG_HASH_ANNOTATION: config_hash(router_settings(instance, namespace, spec)),
+                        # Prometheus' kubernetes-pods convention: the routers' /metrics carry the fleet's signals
+                        # (spec.autoscaling queries them); with API keys a scrape must send one (docs/operator.md)
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(r.http_port),
+                        "prometheus.io/path": "/metrics",
+                        "prometheus.io/scheme": "https" if spec.security.https else "http",
+                    },
                 },
                 "spec": {
                     "automountServiceAccountToken": False,

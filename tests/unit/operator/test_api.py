@@ -21,9 +21,12 @@ CHART = ROOT / "charts" / "glm5"
 
 def test_crd_files_are_generated_from_the_models(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
-    subprocess.run([str(ROOT / "scripts" / "gen-crds"), str(tmp_path)], check=True, env=env)
+    files = tmp_path / "files"
+    subprocess.run([str(ROOT / "scripts" / "gen-crds"), str(tmp_path), str(files)], check=True, env=env)
     for name in ALL_CRDS:
         assert (tmp_path / name).read_text() == (CHART / "crds" / name).read_text(), f"run scripts/gen-crds ({name})"
+    rules = "prometheus-adapter-rules.yaml"
+    assert (files / rules).read_text() == (CHART / "files" / rules).read_text(), f"run scripts/gen-crds ({rules})"
 
 
 def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
