@@ -56,6 +56,8 @@ def test_health_and_stats_answer_during_a_long_prefill(tiny_model: Path, tmp_pat
     finally:
         gc.enable()
         stop(proc)
-    assert prefill_s > 5 and polls > 10, f"the prefill took {prefill_s:.1f} s, {polls} polls: too short to show anything"
+    assert prefill_s > 5 and polls > 10, (
+        f"the prefill took {prefill_s:.1f} s, {polls} polls: too short to show anything"
+    )
     assert worst_health < 0.1, f"a health check took {worst_health * 1000:.0f} ms during the prefill"
     assert worst_stats < 0.5, f"GetStats took {worst_stats * 1000:.0f} ms during the prefill"

@@ -32,6 +32,8 @@ KEYS = {
     "Deployment": "apps/v1/deployments",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
     "PersistentVolumeClaim": "v1/persistentvolumeclaims",
+    "HorizontalPodAutoscaler": "autoscaling/v2/horizontalpodautoscalers",
+    "ScaledObject": "keda.sh/v1alpha1/scaledobjects",
     **PLURAL,
 }
 
@@ -71,6 +73,12 @@ class Cluster:
 
     async def patch(self, kind: str, name: str, body: dict[str, Any], subresource: str | None = None) -> None:
         await asyncio.to_thread(self.kube.patch, Ref(*_api(kind), NS, name), body, subresource)
+
+    async def scale(self, name: str, replicas: int) -> None:
+        """Write the GLM5Deployment's scale subresource, as `kubectl scale` and autoscalers do (a merge patch: the
+        emulator takes no PUT)."""
+        ref = Ref(API_VERSION, "GLM5Deployment", NS, name)
+        await asyncio.to_thread(self.kube.patch, ref, {"spec": {"replicas": replicas}}, "scale")
 
     async def create(self, manifest: dict[str, Any]) -> None:
         await asyncio.to_thread(self.kube.create, manifest)

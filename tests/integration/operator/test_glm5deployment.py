@@ -269,3 +269,36 @@ async def test_replica_over_two_pods_gets_one_rank_table(cluster: Cluster) -> No
     assert [s["container_ip"] for s in servers] == ["10.0.0.10", "10.0.0.11"]
     assert [[d["rank_id"] for d in s["device"]] for s in servers] == [["0", "1"], ["2", "3"]]
     await eventually(lambda: cluster.condition("GLM5Deployment", "two", "RankTableReady")["status"] == "True")  # type: ignore[index]
+
+
+async def test_autoscaler_follows_the_spec_and_is_deleted_when_it_goes(cluster: Cluster) -> None:
+    """backend hpa, then auto on a cluster that serves KEDA (a ScaledObject replaces the HPA), then no autoscaling
+    (nothing scales workers.replicas any more); an autoscaler's write to the scale subresource reaches the pods."""
+    import kmock
+
+    cluster.emulator.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
+        kind="ScaledObject", namespaced=True, singular="scaledobject",
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    )  # fmt: skip  # what installing KEDA's CRDs does
+    auto = {"minReplicas": 1, "maxReplicas": 3, "metric": "inflightTokens", "target": 4096}
+    await _created(cluster, spec={**SPEC, "autoscaling": {**auto, "backend": "hpa"}})
+    await eventually(lambda: cluster.exists("HorizontalPodAutoscaler", "tiny-autoscaler"), what="the HPA")
+    status = lambda: cluster.obj("GLM5Deployment", "tiny")["status"]  # noqa: E731
+    await eventually(lambda: status().get("autoscaler") == "HorizontalPodAutoscaler/tiny-autoscaler")
+    hpa = cluster.obj("HorizontalPodAutoscaler", "tiny-autoscaler")
+    assert hpa["metadata"]["ownerReferences"][0]["name"] == "tiny" and hpa["spec"]["maxReplicas"] == 3
+
+    # what the HPA controller does: PUT the scale subresource; the operator scales the StatefulSet
+    await cluster.scale("tiny", 3)
+    await eventually(lambda: cluster.obj("StatefulSet", "tiny-worker")["spec"]["replicas"] == 3, what="scaled")
+
+    await cluster.patch_spec("GLM5Deployment", "tiny", {"autoscaling": {"backend": "auto"}})
+    await eventually(lambda: cluster.exists("ScaledObject", "tiny-autoscaler"), what="the ScaledObject")
+    await eventually(lambda: not cluster.exists("HorizontalPodAutoscaler", "tiny-autoscaler"), what="HPA deleted")
+    assert status()["autoscaler"] == "ScaledObject/tiny-autoscaler"
+    assert "inflight" in cluster.obj("ScaledObject", "tiny-autoscaler")["spec"]["triggers"][0]["metadata"]["query"]
+
+    await cluster.patch_spec("GLM5Deployment", "tiny", {"autoscaling": None})
+    await eventually(lambda: not cluster.exists("ScaledObject", "tiny-autoscaler"), what="ScaledObject deleted")
+    await eventually(lambda: "autoscaler" not in status(), what="status.autoscaler cleared")
+    assert cluster.obj("StatefulSet", "tiny-worker")["spec"]["replicas"] == 3  # the last count stands
