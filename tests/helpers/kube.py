@@ -42,6 +42,8 @@ CRDS = {
 }  # fmt: skip
 # The CRDs' scale subresources (charts/glm5/crds): plural -> (specReplicasPath, statusReplicasPath, labelSelectorPath)
 SCALE = {"glm5deployments": (("spec", "workers", "replicas"), ("status", "readyReplicas"), ("status", "selector"))}
+# kmock applies no schema defaults: the CRD's for specReplicasPath (workers defaults to {}, so it always applies)
+SCALE_DEFAULT = {"glm5deployments": 1}
 
 
 def _dig(obj: Any, path: tuple[str, ...]) -> Any:
@@ -148,7 +150,8 @@ class VersionedEmulator(kmock.KubernetesEmulator):
             "apiVersion": "autoscaling/v1", "kind": "Scale",
             "metadata": {"name": meta["name"], "namespace": meta.get("namespace"),
                          "resourceVersion": meta.get("resourceVersion")},
-            "spec": {"replicas": _dig(obj, spec_path)},
+            "spec": {"replicas": _dig(obj, spec_path) if _dig(obj, spec_path) is not None
+                     else SCALE_DEFAULT[request.resource.plural]},
             "status": {"replicas": _dig(obj, status_path) or 0, "selector": _dig(obj, selector_path) or ""},
         })  # fmt: skip
 

@@ -83,6 +83,7 @@ class PodRunner:
         self.pods: dict[str, RunningPod] = {}
         self._next_ip = 2
         self._task: asyncio.Task[None] | None = None
+        self._terminating: set[asyncio.Future[None]] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -104,6 +105,7 @@ class PodRunner:
                 await self._task
         for pod in self.pods.values():
             self._kill(pod)
+        await asyncio.gather(*self._terminating)
 
     def kill(self, pod: str, container: str | None = None) -> None:
         """SIGKILL a container's process, as an OOM kill or a node problem would (its restartPolicy applies)."""
@@ -144,9 +146,13 @@ class PodRunner:
         for job in self._objects("batch/v1/jobs"):
             wanted |= {p["metadata"]["name"]: p for p in job_pods(job)}
         await asyncio.to_thread(self._create_claims)
-        for name in set(self.pods) - set(wanted):
-            self._kill(self.pods.pop(name))
+        for name in set(self.pods) - set(wanted):  # scaled down or deleted: out of DNS at once, then stopped
+            pod = self.pods.pop(name)
             await asyncio.to_thread(self.kube.delete, Ref("v1", "Pod", self.ns, name))
+            grace = float(pod.manifest["spec"].get("terminationGracePeriodSeconds", 30))
+            task = asyncio.create_task(asyncio.to_thread(self._kill, pod, grace))  # SIGTERM, SIGKILL after the grace
+            self._terminating.add(task)
+            task.add_done_callback(self._terminating.discard)
         for name, manifest in wanted.items():
             pod = self.pods.get(name)
             if pod is None or pod.manifest["spec"] != manifest["spec"] or _hash(pod) != _hash_of(manifest):
@@ -390,11 +396,11 @@ class PodRunner:
                 f.truncate()
                 f.write(text)
 
-    def _kill(self, pod: RunningPod) -> None:
+    def _kill(self, pod: RunningPod, grace: float = 10.0) -> None:
         for proc in pod.procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + grace
         for proc in pod.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.1, deadline - time.monotonic()))

@@ -109,6 +109,9 @@ def _crd(
         "additionalPrinterColumns": columns,
     }
     if scale:
+        # the API server then fills workers.replicas (its own default) in a spec that leaves workers out: a GET of
+        # /scale fails while specReplicasPath holds nothing, which stops an HPA and `kubectl scale`
+        version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["workers"]["default"] = {}
         version["subresources"]["scale"] = {
             "specReplicasPath": ".spec.workers.replicas",
             "statusReplicasPath": ".status.readyReplicas",

@@ -107,3 +107,14 @@ def test_router_pods_are_scraped_and_quantities_are_kubernetes_quantities() -> N
     notes = router["spec"]["template"]["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/port"] == "8080"
     assert [quantity(v) for v in (3, 3.0, 0.75, 2048.5)] == ["3", "3", "750m", "2048500m"]
+
+
+def test_the_scale_subresource_always_finds_a_replica_count() -> None:
+    """An autoscaler GETs /scale first; the API server answers an error while specReplicasPath holds nothing, so
+    a spec without `workers` gets `{}` and with it workers.replicas' default."""
+    from glm5_operator.api.crds import glm5deployment_crd
+
+    version = glm5deployment_crd()["spec"]["versions"][0]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.workers.replicas"
+    workers = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["workers"]
+    assert workers["default"] == {} and workers["properties"]["replicas"]["default"] == 1
