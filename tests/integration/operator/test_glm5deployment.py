@@ -295,7 +295,7 @@ async def test_autoscaler_follows_the_spec_and_is_deleted_when_it_goes(cluster: 
     await cluster.patch_spec("GLM5Deployment", "tiny", {"autoscaling": {"backend": "auto"}})
     await eventually(lambda: cluster.exists("ScaledObject", "tiny-autoscaler"), what="the ScaledObject")
     await eventually(lambda: not cluster.exists("HorizontalPodAutoscaler", "tiny-autoscaler"), what="HPA deleted")
-    assert status()["autoscaler"] == "ScaledObject/tiny-autoscaler"
+    await eventually(lambda: status()["autoscaler"] == "ScaledObject/tiny-autoscaler", what="status.autoscaler")
     assert "inflight" in cluster.obj("ScaledObject", "tiny-autoscaler")["spec"]["triggers"][0]["metadata"]["query"]
 
     await cluster.patch_spec("GLM5Deployment", "tiny", {"autoscaling": None})
