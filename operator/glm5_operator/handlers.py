@@ -30,8 +30,9 @@ CHILDREN = [
     ("apps", "v1", "statefulsets"),
     ("apps", "v1", "deployments"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),  # served only where LWS is installed; kopf waits for it
 ]
-STATUS_SOURCES = {"StatefulSet", "Deployment", "Pod"}
+STATUS_SOURCES = {"StatefulSet", "Deployment", "LeaderWorkerSet", "Pod"}
 LoginFn = Callable[..., kopf.ConnectionInfo | None]
 
 

@@ -33,6 +33,7 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     "ScaledObject": "scaledobjects",
+    "LeaderWorkerSet": "leaderworkersets",
     "GLM5Deployment": "glm5deployments",
     "RLJob": "rljobs",
 }

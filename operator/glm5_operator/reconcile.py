@@ -27,11 +27,17 @@ from glm5_operator.render import rljob as rl
 from glm5_operator.render.common import child_name, selector
 from glm5_operator.render.router import router_endpoints, router_name
 from glm5_operator.render.workers import (
+    LWS_API,
+    LWS_GROUP_LABEL,
+    LWS_WORKER_LABEL,
+    NODE_RANK_LABEL,
     POD_INDEX_LABEL,
-    node_component,
+    lws_name,
     rank_table_key,
     rank_table_name,
+    worker_components,
     worker_name,
+    worker_node_name,
 )
 from glm5_operator.status import (
     Condition,
@@ -84,6 +90,7 @@ class Reconciler:
         self._written: dict[tuple[str, str, str], dict[str, Any]] = {}
         self._locks_guard = threading.Lock()
         self._keda: tuple[float, bool] | None = None  # (when asked, whether ScaledObjects are served)
+        self._lws: tuple[float, bool] | None = None  # ... LeaderWorkerSets
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -135,8 +142,20 @@ class Reconciler:
             self._set_status(body, {}, invalid_spec_conditions(body["metadata"].get("generation"), str(exc)))
             raise
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        try:
+            lws = self._uses_lws(body, spec)
+        except InvalidSpec as exc:
+            self._set_status(body, {}, invalid_spec_conditions(body["metadata"].get("generation"), str(exc)))
+            raise
+        if lws and not self._serves("lws"):
+            message = ("spec.workers.multiNode: leaderWorkerSet, but the cluster serves no LeaderWorkerSets "
+                       f"({LWS_API}): install LWS, or use statefulSets")  # fmt: skip
+            gen = body["metadata"].get("generation")
+            self._set_status(body, {}, [condition("Ready", False, "LeaderWorkerSetNotServed", message, gen)])
+            raise WaitingFor(message)
         scaler = self._autoscaler_kind(spec)
-        outcomes = self._apply(body, deployment_children(name, ns, spec, self.config, scaler == "ScaledObject"), new)
+        children = deployment_children(name, ns, spec, self.config, scaler == "ScaledObject", lws)
+        outcomes = self._apply(body, children, new)
         self._prune_autoscaler(body, scaler)
         self._deployment_status(body, spec)
         return outcomes
@@ -145,14 +164,43 @@ class Reconciler:
         a = spec.autoscaling
         if a is None:
             return None
-        keda = a.backend == "keda" or (a.backend == "auto" and self._serves_keda())
+        keda = a.backend == "keda" or (a.backend == "auto" and self._serves("keda"))
         return "ScaledObject" if keda else "HorizontalPodAutoscaler"
 
-    def _serves_keda(self) -> bool:
+    def _serves(self, api: str) -> bool:
+        """Whether the cluster serves KEDA's ScaledObjects ("keda") or LeaderWorkerSets ("lws"), asked again after
+        API_CHECK_S (a CRD installed later is found)."""
         now = time.monotonic()
-        if self._keda is None or now - self._keda[0] > API_CHECK_S:
-            self._keda = (now, self.kube.serves(autoscaling.KEDA_API, "scaledobjects"))
-        return self._keda[1]
+        known = self._keda if api == "keda" else self._lws
+        if known is None or now - known[0] > API_CHECK_S:
+            found = self.kube.serves(*((autoscaling.KEDA_API, "scaledobjects") if api == "keda" else
+                                       (LWS_API, "leaderworkersets")))  # fmt: skip
+            known = (now, found)
+            if api == "keda":
+                self._keda = known
+            else:
+                self._lws = known
+        return known[1]
+
+    def _uses_lws(self, body: dict[str, Any], spec: GLM5DeploymentSpec) -> bool:
+        """Whether multi-pod replicas run as LeaderWorkerSet groups. Decided once: the status records it (workers
+        of the other kind would be left running beside the new ones: the operator deletes no workloads)."""
+        w = spec.workers
+        if w.pods_per_replica == 1:
+            return False
+        kind, ns, name = body["kind"], body["metadata"]["namespace"], body["metadata"]["name"]
+        recorded = (self._written.get((kind, ns, name)) or body.get("status") or {}).get("workerSet")
+        if recorded is None and self.kube.get(Ref("apps/v1", "StatefulSet", ns, worker_node_name(name, 1))):
+            recorded = "StatefulSet"  # made before the status recorded it
+        if w.multi_node == "auto":
+            return recorded == "LeaderWorkerSet" if recorded else self._serves("lws")
+        want = w.multi_node == "leaderWorkerSet"
+        if recorded and (recorded == "LeaderWorkerSet") != want:
+            raise InvalidSpec([
+                f"spec.workers.multiNode: {w.multi_node}, but the workers run as {recorded}s, which cannot change "
+                "in place; create a new GLM5Deployment (or delete this one's worker workloads first)"
+            ])  # fmt: skip
+        return want
 
     def _prune_autoscaler(self, body: dict[str, Any], rendered: str | None) -> None:
         """Delete the autoscaler the status names when this render has none of its kind (spec.autoscaling removed,
@@ -172,13 +220,14 @@ class Reconciler:
 
     def _deployment_status(self, body: dict[str, Any], spec: GLM5DeploymentSpec) -> None:
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        workers = self._workers_rollout(name, ns, spec)
+        lws = self._uses_lws(body, spec)
+        workers = self._workers_rollout(name, ns, spec, lws)
         router = rollout(
             self.kube.get(Ref("apps/v1", "Deployment", ns, router_name(name))),
             spec.router.replicas,
             "availableReplicas",
         )
-        tables = self._sync_rank_tables(name, ns, spec) if spec.workers.accelerator == "ascend-910b" else None
+        tables = self._sync_rank_tables(name, ns, spec, lws) if spec.workers.accelerator == "ascend-910b" else None
         conds = deployment_conditions(body["metadata"].get("generation"), workers, router, tables)
         scaler = self._autoscaler_kind(spec)
         fields: dict[str, Any] = {
@@ -189,26 +238,32 @@ class Reconciler:
             "endpoints": router_endpoints(name, ns, spec),
             # what scales workers.replicas (the reconcile deletes it once no longer rendered)
             "autoscaler": f"{scaler}/{autoscaling.autoscaler_name(name)}" if scaler else None,
+            # how a replica over several pods runs (fixed once recorded)
+            "workerSet": ("LeaderWorkerSet" if lws else "StatefulSet") if spec.workers.pods_per_replica > 1 else None,
         }
         if tables is not None:
             fields["rankTables"] = {str(r): s for r, s in sorted(tables.statuses.items())}
         self._set_status(body, fields, conds)
 
-    def _workers_rollout(self, instance: str, ns: str, spec: GLM5DeploymentSpec) -> Rollout:
+    def _workers_rollout(self, instance: str, ns: str, spec: GLM5DeploymentSpec, lws: bool = False) -> Rollout:
+        """Ready replicas: the first node's StatefulSet, or the LeaderWorkerSet's ready groups."""
+        if lws:
+            return rollout(self.kube.get(Ref(LWS_API, "LeaderWorkerSet", ns, lws_name(instance))),
+                           spec.workers.replicas, "readyReplicas")  # fmt: skip
         sts = self.kube.get(Ref("apps/v1", "StatefulSet", ns, worker_name(instance)))
         return rollout(sts, spec.workers.replicas, "readyReplicas")
 
-    def _sync_rank_tables(self, instance: str, ns: str, spec: GLM5DeploymentSpec) -> RankTables:
+    def _sync_rank_tables(self, instance: str, ns: str, spec: GLM5DeploymentSpec, lws: bool = False) -> RankTables:
         """Build each replica's hccl.json from its pods' device annotations (one pod per node of the replica,
         in node order) and write the changed ones."""
         w = spec.workers
         nodes = w.pods_per_replica
         by_slot: dict[tuple[int, int], dict[str, Any]] = {}
-        for node in range(nodes):
-            for pod in self.kube.list(Ref("v1", "Pod", ns), labels=selector(instance, node_component(node))):
-                index = _pod_index(pod)
-                if index is not None and not pod["metadata"].get("deletionTimestamp"):
-                    by_slot[(index, node)] = pod
+        for component in worker_components(w, lws):
+            for pod in self.kube.list(Ref("v1", "Pod", ns), labels=selector(instance, component)):
+                where = _pod_slot(pod)
+                if where is not None and where[1] < nodes and not pod["metadata"].get("deletionTimestamp"):
+                    by_slot[where] = pod
         tables: dict[int, dict[str, Any]] = {}
         error: str | None = None
         for replica in range(w.replicas):
@@ -440,9 +495,11 @@ class Reconciler:
         for child in children:
             manifest = copy.deepcopy(child.manifest)
             manifest["metadata"]["labels"].update(owner_labels)
-            template = manifest.get("spec", {}).get("template")
-            if template is not None:  # pods map back to their owner (rank tables, status)
-                template["metadata"]["labels"].update(owner_labels)
+            spec = manifest.get("spec", {})
+            group = spec.get("leaderWorkerTemplate") or {}
+            for template in (spec.get("template"), group.get("leaderTemplate"), group.get("workerTemplate")):
+                if template is not None:  # pods map back to their owner (rank tables, status)
+                    template["metadata"]["labels"].update(owner_labels)
             if child.owned:
                 self.adopt(manifest, owner)
             outcomes[f"{child.kind}/{child.name}"] = self.kube.apply(manifest, child.create_only, new)
@@ -466,8 +523,13 @@ class Reconciler:
             log.info("%s %s/%s ready=%s", kind, ns, name, is_ready(merged))
 
 
-def _pod_index(pod: dict[str, Any]) -> int | None:
-    """The StatefulSet ordinal: the pod-index label (Kubernetes >= 1.28), else the name's suffix."""
+def _pod_slot(pod: dict[str, Any]) -> tuple[int, int] | None:
+    """(replica, node of the replica) of a worker pod: a LeaderWorkerSet's group and worker index, or the
+    StatefulSet ordinal (the pod-index label, Kubernetes >= 1.28, else the name's suffix) and the node-rank label."""
     meta = pod["metadata"]
-    raw = (meta.get("labels") or {}).get(POD_INDEX_LABEL) or meta["name"].rsplit("-", 1)[-1]
-    return int(raw) if raw.isdigit() else None
+    have = meta.get("labels") or {}
+    if LWS_GROUP_LABEL in have:
+        replica, node = have[LWS_GROUP_LABEL], have.get(LWS_WORKER_LABEL, "")
+    else:
+        replica, node = have.get(POD_INDEX_LABEL) or meta["name"].rsplit("-", 1)[-1], have.get(NODE_RANK_LABEL, "0")
+    return (int(replica), int(node)) if replica.isdigit() and node.isdigit() else None

@@ -96,6 +96,13 @@ class Workers(Spec):
         description="A collective between a replica's devices that takes longer fails the replica (it restarts); "
         "also HCCL_EXEC_TIMEOUT on Ascend.",
     )
+    multi_node: Literal["auto", "leaderWorkerSet", "statefulSets"] = Field(
+        "auto",
+        description="How a replica over several pods is run: leaderWorkerSet = one group of a LeaderWorkerSet per "
+        "replica (the LWS controller restarts a group as a whole); statefulSets = one StatefulSet per node of a "
+        "replica; auto = leaderWorkerSet where the cluster serves it when the deployment is created. Fixed once "
+        "the workers exist (status.workerSet).",
+    )
     rendezvous_port: int = Field(
         29500, ge=1, le=65535, description="Port the first pod of a multi-pod replica listens on for the others."
     )

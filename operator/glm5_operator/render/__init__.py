@@ -30,7 +30,10 @@ class Child:
         return str(self.manifest["metadata"]["name"])
 
 
-def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig) -> list[Child]:
+def worker_children(
+    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, lws: bool = False
+) -> list[Child]:
+    """`lws`: a replica over several pods is a LeaderWorkerSet group (else one StatefulSet per node)."""
     out = [
         Child(network.admin_secret(instance, namespace), create_only=True),
         Child(network.internal_secret(instance, namespace), create_only=True),
@@ -42,24 +45,30 @@ def worker_children(instance: str, namespace: str, spec: GLM5DeploymentSpec, con
         tables = dict.fromkeys(range(w.replicas), pending)
         out.append(Child(workers.rank_table_config_map(instance, namespace, tables), create_only=True))
     out.append(Child(workers.worker_service(instance, namespace, spec)))
-    if w.pods_per_replica > 1:
-        out.append(Child(workers.ranks_service(instance, namespace, spec)))
-    out += [Child(m) for m in workers.worker_stateful_sets(instance, namespace, spec, config)]
+    lws = lws and w.pods_per_replica > 1
+    if lws:  # its controller creates the group's headless Service (the leaders' names)
+        out.append(Child(workers.worker_leader_worker_set(instance, namespace, spec, config)))
+    else:
+        if w.pods_per_replica > 1:
+            out.append(Child(workers.ranks_service(instance, namespace, spec)))
+        out += [Child(m) for m in workers.worker_stateful_sets(instance, namespace, spec, config)]
     out.append(Child(workers.worker_pdb(instance, namespace)))
     if spec.security.network_policy:
-        components = [workers.node_component(k) for k in range(w.pods_per_replica)]
+        components = workers.worker_components(w, lws)
         out.append(Child(network.worker_network_policy(instance, namespace, spec, components)))
     return out
 
 
 def deployment_children(
-    name: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, keda: bool = False
-) -> list[Child]:
+    name: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, keda: bool = False,
+    lws: bool = False,
+) -> list[Child]:  # fmt: skip
     """Every child of a GLM5Deployment, in apply order (configuration before what mounts it); `keda`: the cluster
-    serves KEDA's ScaledObject (spec.autoscaling's backend auto picks it)."""
+    serves KEDA's ScaledObject (spec.autoscaling's backend auto picks it); `lws`: multi-pod replicas are
+    LeaderWorkerSet groups."""
     scaler = autoscaling.autoscaler(name, namespace, spec, keda, config.prometheus_url)
     return [
-        *worker_children(name, namespace, spec, config),
+        *worker_children(name, namespace, spec, config, lws),
         Child(router.router_config_map(name, namespace, spec)),
         Child(router.router_deployment(name, namespace, spec, config)),
         Child(router.router_service(name, namespace, spec)),

@@ -9,6 +9,12 @@ i, all followers, reaching pod i of the first set through the `<name>-worker-ran
 names exist before the pods are ready: rank 0 is not ready until every rank has joined). Pods run
 `glm5 worker --config` with the engine ConfigMap; a hash of it in the pod template rolls the pods when the
 configuration changes.
+
+Where the cluster serves LeaderWorkerSets (workers.multiNode), a multi-pod replica is instead one group of the
+`<name>-lws` LeaderWorkerSet: its leader (worker index 0, component `worker`) is rank 0 and serves, its workers
+(component `worker-node`) run the other nodes' ranks with `--node-rank $(LWS_WORKER_INDEX)` and reach the leader at
+$(LWS_LEADER_ADDRESS); a group restarts as a whole when one of its pods does (RecreateGroupOnPodRestart), and the
+group index plays the StatefulSet ordinal's part (POD_INDEX: the replica, its rank table).
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ ENGINE_DIR = "/etc/glm5/engine"
 RANK_TABLE_DIR = "/etc/glm5/ranktable"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 NODE_RANK_LABEL = "glm5.ai/node-rank"  # which node of its replica a worker pod is (0: the one that serves)
+LWS_API = "leaderworkerset.x-k8s.io/v1"
+LWS_GROUP_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # the LeaderWorkerSet controller's pod labels
+LWS_WORKER_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_FOLLOWER = f"{COMPONENT}-node"  # the component of a LeaderWorkerSet group's non-leader pods
 ACCELERATOR_RESOURCE = {"ascend-910b": "huawei.com/Ascend910", "nvidia": "nvidia.com/gpu"}
 DEVICE_FLAG = {"ascend-910b": "npu", "nvidia": "cuda", "cpu": "cpu"}
 SHUTDOWN_GRACE_S = 30
@@ -64,6 +74,17 @@ def worker_node_name(instance: str, node_rank: int) -> str:
 
 def node_component(node_rank: int) -> str:
     return COMPONENT if node_rank == 0 else f"{COMPONENT}-node{node_rank}"
+
+
+def lws_name(instance: str) -> str:
+    return child_name(instance, "lws")
+
+
+def worker_components(spec: Workers, lws: bool) -> list[str]:
+    """The components of a replica's pods: rank 0's first."""
+    if lws and spec.pods_per_replica > 1:
+        return [COMPONENT, LWS_FOLLOWER]
+    return [node_component(k) for k in range(spec.pods_per_replica)]
 
 
 def ranks_service_name(instance: str) -> str:
@@ -167,11 +188,12 @@ def _resources(w: Workers) -> dict[str, Any]:
     return res
 
 
-def _env(w: Workers) -> list[dict[str, Any]]:
+def _env(w: Workers, lws: bool) -> list[dict[str, Any]]:
+    index = LWS_GROUP_LABEL if lws else POD_INDEX_LABEL  # the replica the pod belongs to
     env: list[dict[str, Any]] = [
         {"name": "GLM5_HOME", "value": "/tmp/glm5"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}},
+        {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{index}']"}}},
     ]
     if w.accelerator == "ascend-910b":
         # Only variables CANN documents. torch_npu builds the HCCL communicator from RANK_TABLE_FILE (rank-table
@@ -235,28 +257,31 @@ def _volumes(instance: str, spec: GLM5DeploymentSpec) -> tuple[list[dict[str, An
     return volumes, mounts
 
 
-def worker_stateful_set(
-    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, node_rank: int = 0
+def worker_pod_template(
+    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, node_rank: int, lws: bool
 ) -> dict[str, Any]:
-    """Node `node_rank` of every replica: pod i of it belongs to replica i. Node 0 serves; the others run
-    follower ranks only (no gRPC server, so no gRPC probes: their process exits when the replica fails)."""
+    """The pods of node `node_rank` of a replica (under a LeaderWorkerSet: 0 the leader, 1 every other node).
+    Node 0 serves; the others run follower ranks only (no gRPC server, so no gRPC probes: their process exits when
+    the replica fails)."""
     w = spec.workers
     volumes, mounts = _volumes(instance, spec)
     probe_period = 10
     args = ["worker", "--config", f"{ENGINE_DIR}/{ENGINE_FILE}"]
     multi_node = w.pods_per_replica > 1
-    if multi_node:
+    if multi_node and lws:
+        args += ["--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    elif multi_node:
         first = f"{worker_name(instance)}-$(POD_INDEX).{ranks_service_name(instance)}.{namespace}.svc"
         args += ["--master-addr", first]
     if node_rank > 0:
-        args += ["--node-rank", str(node_rank)]
+        args += ["--node-rank", "$(LWS_WORKER_INDEX)" if lws else str(node_rank)]
     container: dict[str, Any] = {
         "name": COMPONENT,
         "image": w.image or config.image,
         "imagePullPolicy": config.image_pull_policy,
         "args": args,
         "ports": [{"name": "grpc", "containerPort": w.port, "protocol": "TCP"}],
-        "env": _env(w),
+        "env": _env(w, lws),
         "resources": _resources(w),
         "volumeMounts": mounts,
         "securityContext": container_security_context(),
@@ -287,6 +312,22 @@ def worker_stateful_set(
         pod_spec["nodeSelector"] = dict(w.node_selector)
     if w.tolerations:
         pod_spec["tolerations"] = copy.deepcopy(w.tolerations)
+    component = worker_components(w, lws)[min(node_rank, 1)] if lws else node_component(node_rank)
+    pod_labels = labels(instance, component) | ({} if lws else {NODE_RANK_LABEL: str(node_rank)})
+    return {
+        "metadata": {
+            "labels": pod_labels,
+            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_settings(spec, instance))},
+        },
+        "spec": pod_spec,
+    }
+
+
+def worker_stateful_set(
+    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig, node_rank: int = 0
+) -> dict[str, Any]:
+    """Node `node_rank` of every replica: pod i of it belongs to replica i."""
+    w = spec.workers
     component = node_component(node_rank)
     return {
         "apiVersion": "apps/v1",
@@ -295,17 +336,41 @@ def worker_stateful_set(
         "spec": {
             "replicas": w.replicas,
             # the first node's pods need DNS names before they are ready (the other nodes connect to them)
-            "serviceName": ranks_service_name(instance) if multi_node else worker_name(instance),
+            "serviceName": ranks_service_name(instance) if w.pods_per_replica > 1 else worker_name(instance),
             # Replicas are independent rings: start and replace them in parallel.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector(instance, component)},
-            "template": {
-                "metadata": {
-                    "labels": {**labels(instance, component), NODE_RANK_LABEL: str(node_rank)},
-                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_settings(spec, instance))},
-                },
-                "spec": pod_spec,
+            "template": worker_pod_template(instance, namespace, spec, config, node_rank, lws=False),
+        },
+    }
+
+
+def worker_leader_worker_set(
+    instance: str, namespace: str, spec: GLM5DeploymentSpec, config: OperatorConfig
+) -> dict[str, Any]:
+    """Every multi-pod replica as one group: leader = node 0, workers = nodes 1.. in worker-index order."""
+    w = spec.workers
+    return {
+        "apiVersion": LWS_API,
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(lws_name(instance), namespace, instance, COMPONENT),
+        "spec": {
+            "replicas": w.replicas,
+            # the leader's DNS name exists as soon as it is created: the workers start beside it, not after it
+            "startupPolicy": "LeaderCreated",
+            # one replica at a time, as the PodDisruptionBudget allows
+            "rolloutStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+            },
+            "networkConfig": {"subdomainPolicy": "Shared"},
+            "leaderWorkerTemplate": {
+                "size": w.pods_per_replica,
+                # a replica is one collective: a rank that restarts alone could never rejoin it
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": worker_pod_template(instance, namespace, spec, config, 0, lws=True),
+                "workerTemplate": worker_pod_template(instance, namespace, spec, config, 1, lws=True),
             },
         },
     }
