@@ -19,6 +19,8 @@ class OperatorConfig:
     progress_interval_s: float = 15.0  # how often a running RLJob's trainer is asked for its progress
     # where KEDA's Prometheus triggers query (spec.autoscaling.prometheus.url overrides it)
     prometheus_url: str = DEFAULT_PROMETHEUS_URL
+    # how long "does the cluster serve KEDA / LeaderWorkerSets" stands before it is asked again (CRDs come rarely)
+    api_recheck_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.image:
@@ -45,4 +47,5 @@ class OperatorConfig:
             worker_startup_seconds=int(env.get("GLM5_WORKER_STARTUP_SECONDS", "1800")),
             progress_interval_s=float(env.get("GLM5_RLJOB_PROGRESS_SECONDS", "15")),
             prometheus_url=env.get("GLM5_PROMETHEUS_URL") or DEFAULT_PROMETHEUS_URL,
+            api_recheck_s=float(env.get("GLM5_API_RECHECK_SECONDS", "60")),
         )

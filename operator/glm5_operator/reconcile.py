@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 OWNER_KIND = "glm5.ai/owner-kind"
 OWNER_NAME = "glm5.ai/owner-name"
 DEPLOYMENT, RLJOB = "GLM5Deployment", "RLJob"
-API_CHECK_S = 60.0  # how long a "does the cluster serve KEDA's ScaledObject" answer stands (it is installed rarely)
 # kopf.adopt(manifest, owner) in production; tests may pass the same function.
 Adopt = Callable[[dict[str, Any], dict[str, Any]], None]
 
@@ -167,12 +166,12 @@ class Reconciler:
         keda = a.backend == "keda" or (a.backend == "auto" and self._serves("keda"))
         return "ScaledObject" if keda else "HorizontalPodAutoscaler"
 
-    def _serves(self, api: str) -> bool:
+    def _serves(self, api: str, fresh: bool = False) -> bool:
         """Whether the cluster serves KEDA's ScaledObjects ("keda") or LeaderWorkerSets ("lws"), asked again after
-        API_CHECK_S (a CRD installed later is found)."""
+        the config's api_recheck_s (a CRD installed later is found) or when `fresh`."""
         now = time.monotonic()
         known = self._keda if api == "keda" else self._lws
-        if known is None or now - known[0] > API_CHECK_S:
+        if fresh or known is None or now - known[0] > self.config.api_recheck_s:
             found = self.kube.serves(*((autoscaling.KEDA_API, "scaledobjects") if api == "keda" else
                                        (LWS_API, "leaderworkersets")))  # fmt: skip
             known = (now, found)
@@ -193,7 +192,8 @@ class Reconciler:
         if recorded is None and self.kube.get(Ref("apps/v1", "StatefulSet", ns, worker_node_name(name, 1))):
             recorded = "StatefulSet"  # made before the status recorded it
         if w.multi_node == "auto":
-            return recorded == "LeaderWorkerSet" if recorded else self._serves("lws")
+            # decided once and for good: asked afresh, not from a cache that may predate an LWS install
+            return recorded == "LeaderWorkerSet" if recorded else self._serves("lws", fresh=True)
         want = w.multi_node == "leaderWorkerSet"
         if recorded and (recorded == "LeaderWorkerSet") != want:
             raise InvalidSpec([

@@ -79,7 +79,8 @@ class Cluster:
 @pytest_asyncio.fixture
 async def cluster(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Cluster]:
     marker = request.node.get_closest_marker("pod_runner")
-    async with emulated_cluster() as emulator:
+    crds = request.node.get_closest_marker("installed")  # other projects' CRDs: pytest.mark.installed("lws")
+    async with emulated_cluster(installed=tuple(crds.args) if crds else ()) as emulator:
         server = str(emulator.url).rstrip("/")
         kube = Kube.for_server(server)
         operator = await OperatorThread.start(OperatorConfig(retry_delay_s=0.3, progress_interval_s=0.5), server)

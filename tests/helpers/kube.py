@@ -40,6 +40,15 @@ CRDS = {
         verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status"},
     ),
 }  # fmt: skip
+# CRDs of other projects a test may install (what `kubectl apply` of their CRDs does): LeaderWorkerSet, KEDA
+OPTIONAL_CRDS = {
+    "lws": ("leaderworkerset.x-k8s.io/v1/leaderworkersets", kmock.ResourceInfo(
+        kind="LeaderWorkerSet", namespaced=True, singular="leaderworkerset", shortnames={"lws"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status", "scale"})),
+    "keda": ("keda.sh/v1alpha1/scaledobjects", kmock.ResourceInfo(
+        kind="ScaledObject", namespaced=True, singular="scaledobject", shortnames={"so"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}, subresources={"status"})),
+}  # fmt: skip
 # The CRDs' scale subresources (charts/glm5/crds): plural -> (specReplicasPath, statusReplicasPath, labelSelectorPath)
 SCALE = {"glm5deployments": (("spec", "workers", "replicas"), ("status", "readyReplicas"), ("status", "selector"))}
 # kmock applies no schema defaults: the CRD's for specReplicasPath (workers defaults to {}, so it always applies)
@@ -157,11 +166,14 @@ class VersionedEmulator(kmock.KubernetesEmulator):
 
 
 @contextlib.asynccontextmanager
-async def emulated_cluster(request_log: int | None = None) -> AsyncIterator[VersionedEmulator]:
-    """An emulated API server on a localhost port with the built-in resources and our CRDs."""
+async def emulated_cluster(
+    request_log: int | None = None, installed: tuple[str, ...] = ()
+) -> AsyncIterator[VersionedEmulator]:
+    """An emulated API server on a localhost port with the built-in resources, our CRDs and the `installed` ones
+    of OPTIONAL_CRDS."""
     async with VersionedEmulator(request_log=request_log) as emulator, kmock.Server(emulator):
         emulator.resources.load_bundled()
-        for key, info in CRDS.items():
+        for key, info in [*CRDS.items(), *(OPTIONAL_CRDS[name] for name in installed)]:
             emulator.resources[key] = info
         yield emulator
 

@@ -33,11 +33,15 @@ from glm5_operator.kube import PLURALS, Kube, Ref
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.helpers.podspec import (
+    LWS_KEY,
+    LWS_NAME,
     Objects,
     PodError,
     deployment_pods,
     job_pods,
     launch,
+    leader_worker_set_pods,
+    leader_worker_set_service,
     statefulset_claims,
     statefulset_pods,
     write_volumes,
@@ -76,7 +80,8 @@ class PodRunner:
     ) -> None:  # fmt: skip
         """`nodes`: pods are placed on node-0 .. node-{nodes-1} in turn (ReadWriteOnce claims attach to one).
         `devices`: extended resources each node offers (say huawei.com/Ascend910: 8); a pod asking for more, or
-        for one no node has, stays Pending. `programs`: container name -> the program run instead of the image's,
+        for one no node has, stays Pending. `programs`: container name -> the program run instead of the image's
+        (with the container's arguments),
         for containers that cannot run here (an NPU worker); it runs in the pod as the container would."""
         self.emulator, self.kube, self.ns, self.workdir, self.nodes = emulator, kube, namespace, workdir, nodes
         self.devices, self.programs = devices or {}, programs or {}
@@ -84,6 +89,7 @@ class PodRunner:
         self._next_ip = 2
         self._task: asyncio.Task[None] | None = None
         self._terminating: set[asyncio.Future[None]] = set()
+        self.restarted_groups: list[str] = []  # pods a LeaderWorkerSet group restart recreated
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -145,6 +151,11 @@ class PodRunner:
             wanted |= {p["metadata"]["name"]: p for p in deployment_pods(dep)}
         for job in self._objects("batch/v1/jobs"):
             wanted |= {p["metadata"]["name"]: p for p in job_pods(job)}
+        for lws in self._objects("leaderworkerset.x-k8s.io/v1/leaderworkersets"):
+            wanted |= {p["metadata"]["name"]: p for p in leader_worker_set_pods(lws)}
+            await asyncio.to_thread(self._ensure, leader_worker_set_service(lws))
+            if lws["spec"]["leaderWorkerTemplate"].get("restartPolicy") == "RecreateGroupOnPodRestart":
+                await self._recreate_broken_groups(lws["metadata"]["name"])
         await asyncio.to_thread(self._create_claims)
         for name in set(self.pods) - set(wanted):  # scaled down or deleted: out of DNS at once, then stopped
             pod = self.pods.pop(name)
@@ -171,6 +182,31 @@ class PodRunner:
             pod.ready = await self._probe(pod)
             await asyncio.to_thread(self._write_pod_status, pod)
         await asyncio.to_thread(self._write_workload_status)
+
+    # -- LeaderWorkerSets -----------------------------------------------------------------------------
+
+    def _ensure(self, manifest: dict[str, Any]) -> None:
+        if self.kube.get(Ref.of(manifest)) is None:
+            self.kube.create(manifest)
+
+    async def _recreate_broken_groups(self, lws: str) -> None:
+        """RecreateGroupOnPodRestart: a group one of whose containers exited is deleted whole (the next pass creates
+        it again), as the controller does, so a replica's ranks always start together."""
+        groups: dict[str, list[str]] = {}
+        for name, pod in self.pods.items():
+            labels = pod.manifest["metadata"]["labels"]
+            if labels.get(LWS_NAME) == lws:
+                groups.setdefault(labels[LWS_KEY], []).append(name)
+        for members in groups.values():
+            broken = [m for m in members if sum(self.pods[m].restarts.values())
+                      or any(p.poll() is not None for p in self.pods[m].procs.values())]  # fmt: skip
+            if broken:
+                log.info("LeaderWorkerSet %s: a pod of group %s restarted: recreating %s", lws, members[0], members)
+                for name in members:
+                    pod = self.pods.pop(name)
+                    await asyncio.to_thread(self._kill, pod, 5.0)
+                    await asyncio.to_thread(self.kube.delete, Ref("v1", "Pod", self.ns, name))
+                    self.restarted_groups.append(name)
 
     # -- pods -----------------------------------------------------------------------------------------
 
@@ -230,8 +266,8 @@ class PodRunner:
     def _launch(self, pod: RunningPod, container: dict[str, Any], run: Any) -> None:
         name = container["name"]
         args = run.argv
-        if name in self.programs:
-            args = [sys.executable, *self.programs[name]]
+        if name in self.programs:  # given the container's arguments (after the image's `glm5`)
+            args = [sys.executable, *self.programs[name], *run.argv[3:]]
         elif len(args) > 3 and args[3] in LISTEN_FLAG:
             args = [*args, LISTEN_FLAG[args[3]], pod.ip]  # this pod's address stands for its network namespace
         message_path = container.get("terminationMessagePath")
@@ -344,6 +380,18 @@ class PodRunner:
                 with contextlib.suppress(Exception):
                     self.kube.patch(Ref("apps/v1", kind, self.ns, obj["metadata"]["name"]), {"status": status},
                                     "status")  # fmt: skip
+
+        for lws in self._objects("leaderworkerset.x-k8s.io/v1/leaderworkersets"):
+            groups: dict[str, list[str]] = {}
+            for p in leader_worker_set_pods(lws):
+                groups.setdefault(p["metadata"]["labels"][LWS_KEY], []).append(p["metadata"]["name"])
+            ready = sum(all(n in self.pods and self.pods[n].ready for n in names) for names in groups.values())
+            lws_status = {"replicas": len(groups), "readyReplicas": ready, "updatedReplicas": len(groups),
+                          "observedGeneration": lws["metadata"].get("generation", 1)}  # fmt: skip
+            if any((lws.get("status") or {}).get(k) != v for k, v in lws_status.items()):
+                with contextlib.suppress(Exception):
+                    self.kube.patch(Ref("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", self.ns,
+                                        lws["metadata"]["name"]), {"status": lws_status}, "status")  # fmt: skip
 
         for job in self._objects("batch/v1/jobs"):
             pods = [self.pods.get(p["metadata"]["name"]) for p in job_pods(job)]

@@ -1,5 +1,6 @@
-"""What the test pod runner (issue 18) makes of Kubernetes objects, as pure functions: the Pods a StatefulSet or
-a Deployment controller would create, and how one container of a Pod runs here (argv, environment, mounts).
+"""What the test pod runner (issue 18) makes of Kubernetes objects, as pure functions: the Pods a StatefulSet,
+a Deployment or a LeaderWorkerSet controller would create, and how one container of a Pod runs here (argv,
+environment, mounts).
 
 The image is ignored: every container runs this checkout's `glm5` (the image's entrypoint runs `glm5 ARGS`).
 Environment values follow the kubelet: `value`, `valueFrom` (fieldRef, configMapKeyRef, secretKeyRef), then
@@ -46,6 +47,45 @@ def statefulset_pods(sts: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+LWS_NAME, LWS_GROUP, LWS_WORKER, LWS_KEY = (f"leaderworkerset.sigs.k8s.io/{k}" for k in
+                                           ("name", "group-index", "worker-index", "group-key"))  # fmt: skip
+
+
+def leader_worker_set_pods(lws: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the LeaderWorkerSet controller creates per group g: the leader `<lws>-<g>` (worker index 0) from the
+    leader template and workers `<lws>-<g>-<i>` from the worker template, labelled with the set, group, index and
+    group key, named in the set's headless Service `<lws>` (subdomain policy Shared), with LWS_LEADER_ADDRESS,
+    LWS_GROUP_SIZE and LWS_WORKER_INDEX in every container."""
+    name, ns, spec = lws["metadata"]["name"], lws["metadata"]["namespace"], lws["spec"]
+    group = spec["leaderWorkerTemplate"]
+    size = int(group.get("size", 1))
+    out = []
+    for g in range(int(spec.get("replicas", 1))):
+        for i in range(size):
+            template = group.get("leaderTemplate") if i == 0 else None
+            pod_name = f"{name}-{g}" if i == 0 else f"{name}-{g}-{i}"
+            pod = _from_template(lws, pod_name, template or group["workerTemplate"])
+            pod["metadata"]["labels"] |= {LWS_NAME: name, LWS_GROUP: str(g), LWS_WORKER: str(i),
+                                          LWS_KEY: f"{name}-{g}"}  # fmt: skip
+            pod["spec"]["hostname"], pod["spec"]["subdomain"] = pod_name, name
+            env = [
+                {"name": "LWS_LEADER_ADDRESS", "value": f"{name}-{g}.{name}.{ns}"},
+                {"name": "LWS_GROUP_SIZE", "value": str(size)},
+                {"name": "LWS_WORKER_INDEX", "value": str(i)},
+            ]
+            for container in pod["spec"]["containers"]:
+                container["env"] = env + list(container.get("env") or [])  # first: later values may use them
+            out.append(pod)
+    return out
+
+
+def leader_worker_set_service(lws: dict[str, Any]) -> dict[str, Any]:
+    """The headless Service the controller makes for a set's pods (published before they are ready)."""
+    name, ns = lws["metadata"]["name"], lws["metadata"]["namespace"]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {LWS_NAME: name}}}  # fmt: skip
+
+
 def claim_name(sts: dict[str, Any], template: dict[str, Any], index: int) -> str:
     return f"{template['metadata']['name']}-{sts['metadata']['name']}-{index}"
 
@@ -76,8 +116,8 @@ def deployment_pods(dep: dict[str, Any]) -> list[dict[str, Any]]:
     return [_from_template(dep, f"{name}-{i}") for i in range(int(spec.get("replicas", 1)))]
 
 
-def _from_template(owner: dict[str, Any], name: str) -> dict[str, Any]:
-    template = copy.deepcopy(owner["spec"]["template"])
+def _from_template(owner: dict[str, Any], name: str, template: dict[str, Any] | None = None) -> dict[str, Any]:
+    template = copy.deepcopy(template if template is not None else owner["spec"]["template"])
     meta = template.get("metadata") or {}
     return {
         "apiVersion": "v1",

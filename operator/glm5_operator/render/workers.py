@@ -201,6 +201,8 @@ def _env(w: Workers, lws: bool) -> list[dict[str, Any]]:
         # complete and hands torch_npu a regular-file copy of it (a ConfigMap file is a symbolic link, which
         # torch_npu refuses).
         env += [
+            # the worker waits for a table that lists its own address, not a replaced pod's
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             # CANN logs to stdout flood the node's log buffers on long runs.
             {"name": "ASCEND_SLOG_PRINT_TO_STDOUT", "value": "0"},
             {"name": "RANK_TABLE_FILE", "value": f"{RANK_TABLE_DIR}/replica-$(POD_INDEX).json"},

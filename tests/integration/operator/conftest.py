@@ -34,6 +34,7 @@ KEYS = {
     "PersistentVolumeClaim": "v1/persistentvolumeclaims",
     "HorizontalPodAutoscaler": "autoscaling/v2/horizontalpodautoscalers",
     "ScaledObject": "keda.sh/v1alpha1/scaledobjects",
+    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets",
     **PLURAL,
 }
 
@@ -147,7 +148,11 @@ async def eventually(check: Callable[[], Any], timeout: float = 15.0, what: str 
 @pytest_asyncio.fixture
 async def cluster() -> AsyncIterator[Cluster]:
     async with emulated_cluster() as emulator:
-        c = Cluster(emulator, Kube.for_server(str(emulator.url).rstrip("/")), OperatorConfig(retry_delay_s=0.3))
+        c = Cluster(
+            emulator,
+            Kube.for_server(str(emulator.url).rstrip("/")),
+            OperatorConfig(retry_delay_s=0.3, api_recheck_s=0.5),
+        )
         await c.start_operator()
         try:
             yield c

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from glm5_operator.ranktable import ANNOTATION
 
+from tests.helpers.kube import OPTIONAL_CRDS
 from tests.integration.operator.conftest import Cluster, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -274,12 +275,8 @@ async def test_replica_over_two_pods_gets_one_rank_table(cluster: Cluster) -> No
 async def test_autoscaler_follows_the_spec_and_is_deleted_when_it_goes(cluster: Cluster) -> None:
     """backend hpa, then auto on a cluster that serves KEDA (a ScaledObject replaces the HPA), then no autoscaling
     (nothing scales workers.replicas any more); an autoscaler's write to the scale subresource reaches the pods."""
-    import kmock
-
-    cluster.emulator.resources["keda.sh/v1alpha1/scaledobjects"] = kmock.ResourceInfo(
-        kind="ScaledObject", namespaced=True, singular="scaledobject",
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
-    )  # fmt: skip  # what installing KEDA's CRDs does
+    key, info = OPTIONAL_CRDS["keda"]
+    cluster.emulator.resources[key] = info  # what installing KEDA's CRDs does
     auto = {"minReplicas": 1, "maxReplicas": 3, "metric": "inflightTokens", "target": 4096}
     await _created(cluster, spec={**SPEC, "autoscaling": {**auto, "backend": "hpa"}})
     await eventually(lambda: cluster.exists("HorizontalPodAutoscaler", "tiny-autoscaler"), what="the HPA")
@@ -302,3 +299,37 @@ async def test_autoscaler_follows_the_spec_and_is_deleted_when_it_goes(cluster: 
     await eventually(lambda: not cluster.exists("ScaledObject", "tiny-autoscaler"), what="ScaledObject deleted")
     await eventually(lambda: "autoscaler" not in status(), what="status.autoscaler cleared")
     assert cluster.obj("StatefulSet", "tiny-worker")["spec"]["replicas"] == 3  # the last count stands
+
+
+async def test_multi_node_mode_is_detected_recorded_and_never_switched_in_place(cluster: Cluster) -> None:
+    two_pods = {**SPEC, "workers": {**SPEC["workers"], "devicesPerReplica": 4, "devicesPerNode": 2}}
+    # asked for LeaderWorkerSets on a cluster without them: said so, nothing half-made
+    explicit = {**two_pods, "workers": {**two_pods["workers"], "multiNode": "leaderWorkerSet"}}
+    await cluster.apply_cr("GLM5Deployment", "lws", explicit)
+    ready = await eventually(lambda: cluster.condition("GLM5Deployment", "lws", "Ready"), what="a condition")
+    assert ready["reason"] == "LeaderWorkerSetNotServed" and "install LWS" in ready["message"]
+    assert not cluster.exists("StatefulSet", "lws-worker")
+
+    await _created(cluster, spec=two_pods)  # auto, no LWS: StatefulSets, recorded
+    status = lambda: cluster.obj("GLM5Deployment", "tiny")["status"]  # noqa: E731
+    await eventually(lambda: status().get("workerSet") == "StatefulSet", what="status.workerSet")
+    assert cluster.exists("StatefulSet", "tiny-worker-node1")
+    key, info = OPTIONAL_CRDS["lws"]
+    cluster.emulator.resources[key] = info  # LWS installed later: auto keeps what runs
+    await cluster.patch_spec("GLM5Deployment", "tiny", {"workers": {"maxNumSeqs": 8}})
+    await eventually(lambda: _engine(cluster)["max-num-seqs"] == 8, what="the change applied")
+    assert not cluster.exists("LeaderWorkerSet", "tiny-lws") and status()["workerSet"] == "StatefulSet"
+    await cluster.patch_spec("GLM5Deployment", "tiny", {"workers": {"multiNode": "leaderWorkerSet"}})
+    bad = await eventually(lambda: (c := cluster.condition("GLM5Deployment", "tiny", "Ready")) and
+                           c["reason"] == "InvalidSpec" and c, what="InvalidSpec")  # fmt: skip
+    assert "cannot change in place" in bad["message"] and not cluster.exists("LeaderWorkerSet", "tiny-lws")
+
+    # a new deployment on the cluster that serves them: one LeaderWorkerSet
+    await cluster.apply_cr("GLM5Deployment", "fresh", two_pods)
+    await eventually(lambda: cluster.exists("LeaderWorkerSet", "fresh-lws"), what="the LeaderWorkerSet")
+    await eventually(lambda: cluster.obj("GLM5Deployment", "fresh")["status"].get("workerSet") == "LeaderWorkerSet")
+    lws = cluster.obj("LeaderWorkerSet", "fresh-lws")
+    assert lws["metadata"]["ownerReferences"][0]["name"] == "fresh"
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["metadata"]["labels"]
+    assert leader["glm5.ai/owner-name"] == "fresh"  # its pods map back to the deployment (rank tables)
+    assert not cluster.exists("StatefulSet", "fresh-worker")

@@ -4,20 +4,17 @@ and KEDA's CRD (vendored in tests/data/crds)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 from glm5_operator.api import InvalidSpec, parse_deployment
 from glm5_operator.config import OperatorConfig
 from glm5_operator.render import deployment_children
 from glm5_operator.render.autoscaling import adapter_rules, quantity, signal_query
 
-ROOT = Path(__file__).resolve().parents[3]
-KEDA_CRD = ROOT / "tests" / "data" / "crds" / "keda.sh_scaledobjects.yaml"
+from tests.helpers.crdschema import crd_schema
 
 
 def _spec(**autoscaling: Any) -> Any:
@@ -29,18 +26,6 @@ def _scaler(spec: Any, keda: bool = False, name: str = "tiny") -> dict[str, Any]
              if c.kind in ("HorizontalPodAutoscaler", "ScaledObject")]  # fmt: skip
     assert len(found) == 1
     return found[0]
-
-
-def _openapi_to_jsonschema(node: Any) -> Any:
-    """Kubernetes' structural-schema extensions dropped (x-kubernetes-int-or-string: an int or a string)."""
-    if isinstance(node, dict):
-        out = {k: _openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
-        if node.get("x-kubernetes-int-or-string"):
-            out.pop("type", None)
-        return out
-    if isinstance(node, list):
-        return [_openapi_to_jsonschema(v) for v in node]
-    return node
 
 
 @pytest.mark.parametrize("metric", ["queueDepth", "kvCacheUtilization", "inflightTokens"])
@@ -64,9 +49,9 @@ def test_hpa_targets_the_scale_subresource_on_the_adapters_external_metric(metri
 
 
 def test_scaled_object_passes_kedas_schema_and_queries_this_deployments_routers() -> None:
-    schema = yaml.safe_load(KEDA_CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    schema = crd_schema("keda.sh_scaledobjects.yaml", "v1alpha1")
     so = _scaler(_spec(backend="keda", metric="inflightTokens", target=2048.5), name="a")
-    jsonschema.validate(so, _openapi_to_jsonschema(schema))
+    jsonschema.validate(so, schema)
     (trigger,) = so["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
     assert trigger["metadata"]["threshold"] == "2048.5"
@@ -74,7 +59,7 @@ def test_scaled_object_passes_kedas_schema_and_queries_this_deployments_routers(
     assert 'namespace="prod",app_kubernetes_io_instance="a",app_kubernetes_io_component="router"' in (
         trigger["metadata"]["query"])  # fmt: skip
     with pytest.raises(jsonschema.ValidationError):  # the schema check can fail
-        jsonschema.validate({**so, "spec": {**so["spec"], "minReplicaCount": "one"}}, _openapi_to_jsonschema(schema))
+        jsonschema.validate({**so, "spec": {**so["spec"], "minReplicaCount": "one"}}, schema)
 
 
 def test_backend_auto_picks_keda_only_where_it_is_served_and_overrides_apply() -> None:

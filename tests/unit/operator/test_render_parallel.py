@@ -131,6 +131,10 @@ def test_worker_waits_for_a_complete_table_and_copies_it_to_a_regular_file(tmp_p
     assert copy != tmp_path / "replica-0.json" and copy.is_file() and not copy.is_symlink()
     assert json.loads(copy.read_text()) == table
     assert prepare_rank_table(5.0, {}) is None  # no table: HCCL negotiates its own ring
+    # a pod that replaced p0 (same name, new address) waits for the operator's new table
+    with pytest.raises(ValueError, match=r"completed without this pod \(10.0.0.9\)"):
+        prepare_rank_table(0.0, {"RANK_TABLE_FILE": str(tmp_path / "replica-0.json"), "POD_IP": "10.0.0.9"})
+    assert prepare_rank_table(0.0, {"RANK_TABLE_FILE": str(tmp_path / "replica-0.json"), "POD_IP": "10.0.0.1"})
     (data / "replica-0.json").write_text(json.dumps(build_rank_table([None], None)))
     with pytest.raises(ValueError, match="still 'initializing'"):
         prepare_rank_table(0.01, {"RANK_TABLE_FILE": str(tmp_path / "replica-0.json")})

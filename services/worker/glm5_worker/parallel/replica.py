@@ -165,17 +165,20 @@ def join(config: EngineConfig, rank: int, device: torch.device, store: Any) -> R
 
 def prepare_rank_table(timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any] | None:
     """For HCCL's rank-table mode (torch_npu builds the communicator from RANK_TABLE_FILE): waits until the
-    operator's table for this replica is complete, then points RANK_TABLE_FILE at a regular-file copy of it
-    (torch_npu refuses a symbolic link, and every file of a ConfigMap volume is one). Returns the table, or
-    None without RANK_TABLE_FILE (HCCL then negotiates its own ring)."""
+    operator's table for this replica is complete and, with POD_IP set, lists this pod (a pod replaced under the
+    same name, with a new address, would otherwise read its predecessor's table, complete until the operator
+    rewrites it), then points RANK_TABLE_FILE at a regular-file copy of it (torch_npu refuses a symbolic link, and
+    every file of a ConfigMap volume is one). Returns the table, or None without RANK_TABLE_FILE (HCCL then
+    negotiates its own ring)."""
     env = env if env is not None else os.environ  # type: ignore[assignment]
     assert env is not None
     source = env.get("RANK_TABLE_FILE")
     if not source:
         return None
     deadline = time.monotonic() + timeout_s
+    own_ip = env.get("POD_IP")
     while True:
-        status = _rank_table_status(Path(source))
+        status = _rank_table_status(Path(source), own_ip)
         if status == "completed":
             break
         if time.monotonic() > deadline:
@@ -208,14 +211,20 @@ def npu_index_of_rank(table: dict[str, Any], rank: int, world_size: int) -> int:
     raise AssertionError("unreachable: every rank was listed")
 
 
-def _rank_table_status(path: Path) -> str:
+def _rank_table_status(path: Path, own_ip: str | None = None) -> str:
     try:
         table = json.loads(path.read_text())
     except FileNotFoundError:
         return "missing"
     except (OSError, json.JSONDecodeError):
         return "unreadable"
-    return str(table.get("status", "unknown")) if isinstance(table, dict) else "unreadable"
+    if not isinstance(table, dict):
+        return "unreadable"
+    status = str(table.get("status", "unknown"))
+    servers = table.get("server_list") or []
+    if status == "completed" and own_ip and all(s.get("container_ip") != own_ip for s in servers):
+        return f"completed without this pod ({own_ip}): a predecessor's"
+    return status
 
 
 def rank_of(config: EngineConfig, local_rank: int) -> int:
