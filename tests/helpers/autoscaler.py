@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 from glm5_operator.kube import Kube, Ref
 
+from tests.helpers.periodic import cancel, every
 from tests.helpers.procs import free_port
 
 log = logging.getLogger(__name__)
@@ -138,21 +139,10 @@ class Autoscaler:
             self.rules[rule["name"]["as"]] = rule["metricsQuery"]
 
     async def start(self, interval: float = 1.0) -> None:
-        async def loop() -> None:
-            while True:
-                try:
-                    await asyncio.to_thread(self.sync)
-                except Exception:
-                    log.exception("autoscaler pass failed")
-                await asyncio.sleep(interval)
-
-        self._task = asyncio.create_task(loop())
+        self._task = every(interval, lambda: asyncio.to_thread(self.sync), "autoscaler")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel(self._task)
 
     def sync(self) -> None:
         self.prometheus.set_targets(scrape_targets(self.kube.list(Ref("v1", "Pod", self.namespace))))

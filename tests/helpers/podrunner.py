@@ -32,6 +32,7 @@ import grpc
 from glm5_operator.kube import PLURALS, Kube, Ref
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.helpers.periodic import cancel, every
 from tests.helpers.podspec import (
     LWS_KEY,
     LWS_NAME,
@@ -94,21 +95,10 @@ class PodRunner:
     # -- lifecycle ------------------------------------------------------------------------------------
 
     async def start(self, interval: float = 0.3) -> None:
-        async def loop() -> None:
-            while True:
-                try:
-                    await self.sync()
-                except Exception:
-                    log.exception("pod runner pass failed")
-                await asyncio.sleep(interval)
-
-        self._task = asyncio.create_task(loop())
+        self._task = every(interval, self.sync, "pod runner")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel(self._task)
         for pod in self.pods.values():
             self._kill(pod)
         await asyncio.gather(*self._terminating)
