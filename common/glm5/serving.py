@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -157,14 +156,6 @@ async def start_health_server(health: HealthServicer, host: str, port: int) -> g
         )
     await server.start()
     return server
-
-
-async def resolve_service(target: str) -> set[str]:
-    """host:port of a headless Service -> one host:port per A/AAAA record (IPv6 in brackets, as gRPC targets
-    want them). Raises OSError when the name does not resolve; callers decide what to keep meanwhile."""
-    host, _, port = target.rpartition(":")
-    infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    return {f"[{s[0]}]:{port}" if family == socket.AF_INET6 else f"{s[0]}:{port}" for family, *_, s in infos}
 
 
 class RequestFailed(Exception):

@@ -12,11 +12,12 @@ from typing import NoReturn
 
 import grpc
 from glm5.client import worker_stub
+from glm5.discovery import Discovery
 from glm5.errors import InvalidRequestError
 from glm5.rl.buffer import RolloutBuffer
 from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
-from glm5.serving import DEFAULT_CONNECTIONS, ConnectionLimits, resolve_service
+from glm5.serving import DEFAULT_CONNECTIONS, ConnectionLimits
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from glm5_tito.ledger import Ledger
@@ -64,11 +65,13 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
     engines: dict[str, Engine] = field(default_factory=dict)
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     fingerprint: str | None = None
+    discovery: Discovery = field(init=False)
     _task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
         c = self.config
         self.ring = BoundedRing(c.vnodes, c.virtual_node_reserve, c.load_bound)
+        self.discovery = Discovery(c.engines, c.engine_dns, "rollout engines")
         self.fingerprint = c.tokenizer_fingerprint
 
     # -- engines and heartbeats -----------------------------------------------------------------------
@@ -90,14 +93,8 @@ class Gateway(tito_pb2_grpc.TitoGatewayServicer):
             await self._heartbeat_all()
 
     async def _discover(self) -> None:
-        addresses = set(self.config.engines)
-        if self.config.engine_dns:
-            try:
-                addresses |= await resolve_service(self.config.engine_dns)
-            except OSError as exc:
-                log.warning("cannot resolve %s: %s", self.config.engine_dns, exc)
-                addresses |= set(self.engines)  # keep what we had; heartbeats decide
-        for address in addresses - set(self.engines):
+        # engines that left are kept: heartbeats take them out of rotation, and bring them back if they return
+        for address in await self.discovery.addresses() - set(self.engines):
             channel = secure_channel(address, self.config.tls)
             self.engines[address] = Engine(address, channel, worker_stub(channel, self.config.internal_token))
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import datetime
 import functools
 import logging
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import grpc
 from glm5.client import WorkerClient
-from glm5.serving import resolve_service
+from glm5.discovery import Discovery
 from glm5.tokenizer import Tokenizer
 from glm5.v1 import worker_pb2
 
@@ -36,13 +35,10 @@ class EngineFleet:
         self.pushed_version: int | None = None  # the version the engines serve (None: not asked yet)
         self.engine_ranks: dict[str, int] = {}  # each live engine's tensor-parallel size (GetModelInfo)
         self._collective: CollectiveSync | None = None
+        self.discovery = Discovery(config.engines, config.engine_dns, "rollout engines")
 
     async def engines(self) -> list[str]:
-        addresses = set(self.c.engines)
-        if self.c.engine_dns:
-            with contextlib.suppress(OSError):  # not resolvable right now: the static engines, if any
-                addresses |= await resolve_service(self.c.engine_dns)
-        return sorted(addresses)
+        return sorted(await self.discovery.addresses())
 
     async def live_engines(self) -> dict[str, int]:
         """The engines that answer, with the version each serves. One that does not (a worker restarting; it

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import grpc
 from glm5.client import worker_stub
+from glm5.discovery import Discovery
 from glm5.security import channel as secure_channel
-from glm5.serving import resolve_service
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import worker_pb2, worker_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -80,10 +80,12 @@ class WorkerPool:
     on_change: Callable[[], None] = lambda: None  # the dispatcher's wake-up
     on_breaker: Callable[[str, State, str], None] = lambda address, state, reason: None
     cache_index: CacheIndex | None = None  # --routing kv: which worker holds which prefix blocks
+    discovery: Discovery = field(init=False)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
+        self.discovery = Discovery(self.config.workers, self.config.worker_dns, "workers")
         if self.config.routing == "kv" and self.cache_index is None:
             self.cache_index = CacheIndex(self.config.cache_index_blocks)
 
@@ -123,18 +125,8 @@ class WorkerPool:
 
     # -- discovery ------------------------------------------------------------------------------------
 
-    async def _addresses(self) -> set[str]:
-        out = set(self.config.workers)
-        if self.config.worker_dns:
-            try:
-                out |= await resolve_service(self.config.worker_dns)
-            except OSError as exc:
-                log.warning("cannot resolve %s: %s", self.config.worker_dns, exc)
-                return out | {a for a in self.workers if a not in self.config.workers}  # keep what we had
-        return out
-
     async def _discover(self) -> None:
-        want = await self._addresses()
+        want = await self.discovery.addresses()
         for address in want - set(self.workers):
             channel = secure_channel(address, self.config.tls, CHANNEL_OPTIONS)
             self.workers[address] = Worker(
