@@ -6,30 +6,56 @@ touched by one thread and model steps never block the event loop. The engine is 
 step (threads.py). Its decode steps compile on a thread that exits when they are built (seconds from the cache,
 minutes cold) while the engine thread serves eagerly; a command then switches the engine to them between two
 steps.
+
+It is the server's only door to the engine: the facts a server answers with (`info`, `tokenizer`), the stats,
+weight updates (read on a thread of their own, swapped on the engine thread) and requests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from glm5.errors import Glm5Error
+from glm5.errors import CheckpointError, ConfigError, Glm5Error, InvalidRequestError
+from glm5.tokenizer import Tokenizer
 
 from glm5_worker.engine.compiled import CompiledDecode
-from glm5_worker.engine.engine import Engine, RequestOutput
+from glm5_worker.engine.engine import Engine, EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams
 from glm5_worker.engine.threads import in_own_thread, settle
+from glm5_worker.engine.weights import WeightSource, read_weights
 from glm5_worker.parallel.replica import ReplicaFailure
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """The served model as the engine has it now (weight_version and the fingerprint change with an update)."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    dtype: str
+    device: str
+    weight_version: int
+    tokenizer_fingerprint: str
+    tensor_parallel_size: int
+    expert_parallel: bool
+    default_max_new_tokens: int
+    collective_timeout_s: float
+    max_update_bytes: int
 
 
 class EngineStopped(Glm5Error):
@@ -283,6 +309,48 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> bool:
         self._sinks.pop(request_id, None)
         return self.engine.abort(request_id)
+
+    # -- what a server reads of the engine (built by then: no RPC reaches the service before) -----------------
+
+    @property
+    def info(self) -> EngineInfo:
+        e = self.engine
+        return EngineInfo(
+            served_model_name=e.served_model_name, max_model_len=e.max_model_len,
+            vocab_size=e.model_config.vocab_size, eos_token_ids=list(e.eos_token_ids),
+            dtype=str(e.dtype).removeprefix("torch."), device=str(e.device), weight_version=e.weight_version,
+            tokenizer_fingerprint=e.tokenizer.fingerprint, tensor_parallel_size=e.tp.size,
+            expert_parallel=e.tp.size > 1 and e.tp.expert_parallel,
+            default_max_new_tokens=e.config.default_max_new_tokens,
+            collective_timeout_s=e.config.collective_timeout_s, max_update_bytes=e.max_update_bytes,
+        )  # fmt: skip
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def stats(self, after: tuple[int, int] | None = None) -> Future[EngineStats]:
+        """The engine's stats, computed between steps; `after`: cache events since (epoch, seq)."""
+        return self.call(functools.partial(self.engine.stats, after))
+
+    async def update_weights(self, source: WeightSource, version: int, on_this_host: bool) -> tuple[float, float]:
+        """Reads `version` from `source` on a thread of its own (every rank of the replica reads its shards
+        meanwhile) and swaps it in on the engine thread: all ranks swap, or none does. Returns (read seconds,
+        swap seconds); a read that fails is raised by the swap, after the other ranks were told."""
+        e = self.engine
+        start = time.perf_counter()
+        await self.run(functools.partial(e.start_weight_update, source, version, on_this_host))
+        new, failure = None, None
+        try:
+            read = functools.partial(read_weights, source, e.model_config, e.dtype, e.device, e.tokenizer.fingerprint,
+                                     e.tp, "stored" if e.runner.model.mtp_layers else "skip")  # fmt: skip
+            # a thread that ends with the read: a live executor thread that ran torch slows every step
+            new = await asyncio.wrap_future(in_own_thread(read, "glm5-weights"))
+        except (InvalidRequestError, CheckpointError, ConfigError) as exc:
+            failure = exc
+        load_s = time.perf_counter() - start
+        swap_s = await self.run(functools.partial(e.swap_weights, new, version, failure))
+        return load_s, float(swap_s)
 
     @property
     def draining(self) -> bool:

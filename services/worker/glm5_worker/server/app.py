@@ -171,7 +171,7 @@ async def start_worker(
     if engine.fatal is None:
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("worker serving %s on %s:%d%s%s", engine.engine.served_model_name, host, bound,
+    log.info("worker serving %s on %s:%d%s%s", engine.info.served_model_name, host, bound,
              " over TLS" if security.tls.enabled else "",
              ", internal token required" if security.internal_token is not None else "")  # fmt: skip
     if security.internal_token is None and not is_loopback(host):
@@ -195,7 +195,7 @@ async def serve_until_signal(
     restarts the pod, and with it every rank)."""
     worker = await start_worker(config, host, port, security)
     freeze_heap()
-    print(f"glm5 worker listening on {host}:{worker.port} (model {worker.engine.engine.served_model_name})",
+    print(f"glm5 worker listening on {host}:{worker.port} (model {worker.engine.info.served_model_name})",
           flush=True)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

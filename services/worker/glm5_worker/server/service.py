@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import logging
 import shutil
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -24,8 +23,7 @@ from glm5_worker.engine.engine import EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
 from glm5_worker.engine.speculative import SpecCounters
 from glm5_worker.engine.structured import OutputFormat
-from glm5_worker.engine.threads import in_own_thread
-from glm5_worker.engine.weights import SyncSpec, WeightSource, read_weights
+from glm5_worker.engine.weights import SyncSpec, WeightSource
 from glm5_worker.kv.events import CacheDelta
 from glm5_worker.parallel.replica import ReplicaFailure
 from glm5_worker.server.push import receive_push
@@ -136,12 +134,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     @property
     def default_max_new_tokens(self) -> int:
         # the engine is built after the service exists (the port is bound first); no RPC reaches it before
-        return self.engine.engine.config.default_max_new_tokens
+        return self.engine.info.default_max_new_tokens
 
     async def prime(self) -> None:
         """Computes the first stats, so GetStats always has some to answer with while a step runs."""
         with contextlib.suppress(ReplicaFailure):  # a lost replica answers UNAVAILABLE from the start
-            self._stats[:] = [await self.engine.run(self.engine.engine.stats)]
+            self._stats[:] = [await asyncio.wrap_future(self.engine.stats())]
 
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -202,7 +200,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # the engine thread computes them between steps; while a long step runs (a prefill chunk of a very long
         # prompt) the last ones answer, so a router's poll never times out on a busy worker
         after = (request.cache_epoch, request.cache_seq) if request.cache_events else None
-        future = asyncio.wrap_future(self.engine.call(functools.partial(self.engine.engine.stats, after)))
+        future = asyncio.wrap_future(self.engine.stats(after))
         try:
             st = await asyncio.wait_for(asyncio.shield(future), STATS_WAIT_S)
         except TimeoutError:
@@ -252,30 +250,28 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetModelInfo(
         self, request: worker_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ModelInfo:
-        e = self.engine.engine
+        i = self.engine.info
         return worker_pb2.ModelInfo(
-            served_model_name=e.served_model_name,
+            served_model_name=i.served_model_name,
             architecture="GlmMoeDsaForCausalLM",
-            max_model_len=e.max_model_len,
-            vocab_size=e.model_config.vocab_size,
-            eos_token_ids=e.eos_token_ids,
-            dtype=str(e.dtype).removeprefix("torch."),
-            device=str(e.device),
-            weight_version=e.weight_version,
-            tokenizer_fingerprint=e.tokenizer.fingerprint,
-            tensor_parallel_size=e.tp.size,
-            expert_parallel=e.tp.size > 1 and e.tp.expert_parallel,
+            max_model_len=i.max_model_len,
+            vocab_size=i.vocab_size,
+            eos_token_ids=i.eos_token_ids,
+            dtype=i.dtype,
+            device=i.device,
+            weight_version=i.weight_version,
+            tokenizer_fingerprint=i.tokenizer_fingerprint,
+            tensor_parallel_size=i.tensor_parallel_size,
+            expert_parallel=i.expert_parallel,
         )
 
     async def Tokenize(
         self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.TokenizeResponse:
-        e = self.engine.engine
+        tok, limit = self.engine.tokenizer, self.engine.info.max_model_len
         try:
             # off the event loop: a long text takes a while even when it is refused after its first pieces
-            ids = await asyncio.to_thread(
-                e.tokenizer.encode_bounded, request.text, e.max_model_len, request.add_special_tokens, "text"
-            )
+            ids = await asyncio.to_thread(tok.encode_bounded, request.text, limit, request.add_special_tokens, "text")
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.TokenizeResponse(token_ids=ids)
@@ -323,7 +319,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return await self._update(request.version, spec, context)
 
     def sync_spec(self, request: worker_pb2.SyncWeightsRequest) -> SyncSpec:
-        eng = self.engine.engine
+        info = self.engine.info
         try:
             split_address(request.rendezvous)
         except ValueError as exc:
@@ -333,9 +329,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         senders = request.senders or 1
         if not 0 < senders <= MAX_SENDERS:
             raise InvalidRequestError("senders", f"must be in [1, {MAX_SENDERS}]")
-        if request.world_size != senders + eng.tp.size:
-            raise InvalidRequestError("world_size", f"must be senders ({senders}) + this replica's {eng.tp.size} ranks")
-        timeout = request.timeout_seconds or eng.config.collective_timeout_s
+        ranks = info.tensor_parallel_size
+        if request.world_size != senders + ranks:
+            raise InvalidRequestError("world_size", f"must be senders ({senders}) + this replica's {ranks} ranks")
+        timeout = request.timeout_seconds or info.collective_timeout_s
         if not 0 < timeout <= 3600:
             raise InvalidRequestError("timeout_seconds", "must be in (0, 3600]")
         return SyncSpec(request.version, request.rendezvous, request.group, request.world_size, timeout,
@@ -345,10 +342,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def max_push_bytes(self) -> int:
         """What one push may declare: a few times the served weights (a float32 checkpoint of bf16 weights is
         twice their size), plus room for the config and tokenizer files."""
-        return self.engine.engine.max_update_bytes
+        return self.engine.info.max_update_bytes
 
     def _check_newer(self, version: int) -> None:
-        served = self.engine.engine.weight_version
+        served = self.engine.info.weight_version
         if version <= served:
             raise _NotNewer(f"version: must be greater than the served {served}, got {version}")
 
@@ -357,27 +354,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.UpdateWeightsResponse:
         """`on_this_host`: the folder is on this pod only (a push), so the replica's other pods get their parts
         from this one."""
-        eng = self.engine.engine
         async with self._weights_lock:  # one update at a time; versions stay ordered
             try:
                 self._check_newer(version)
             except _NotNewer as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            start = time.perf_counter()
-            # the other ranks read their shards meanwhile; all swap, or none does
-            await self.engine.run(functools.partial(eng.start_weight_update, source, version, on_this_host))
-            new, failure = None, None
             try:
-                read = functools.partial(read_weights, source, eng.model_config, eng.dtype, eng.device,
-                                         eng.tokenizer.fingerprint, eng.tp,
-                                         "stored" if eng.runner.model.mtp_layers else "skip")  # fmt: skip
-                # a thread that ends with the read: a live executor thread that ran torch slows every step
-                new = await asyncio.wrap_future(in_own_thread(read, "glm5-weights"))
-            except (InvalidRequestError, CheckpointError, ConfigError) as exc:
-                failure = exc
-            load_s = time.perf_counter() - start
-            try:
-                swap_s = await self.engine.run(functools.partial(eng.swap_weights, new, version, failure))
+                load_s, swap_s = await self.engine.update_weights(source, version, on_this_host)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except (CheckpointError, ConfigError) as exc:
@@ -392,7 +375,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def GetTokenizer(
         self, request: worker_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.TokenizerFiles:
-        tok = self.engine.engine.tokenizer
+        tok = self.engine.tokenizer
         tokenizer_json, config_json = tok.files
         return worker_pb2.TokenizerFiles(
             tokenizer_json=tokenizer_json, tokenizer_config_json=config_json, fingerprint=tok.fingerprint
@@ -402,10 +385,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DetokenizeResponse:
         try:
-            check_vocabulary("token_ids", request.token_ids, self.engine.engine.tokenizer.vocab_size)
+            check_vocabulary("token_ids", request.token_ids, self.engine.tokenizer.vocab_size)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        text = self.engine.engine.tokenizer.decode(list(request.token_ids), request.skip_special_tokens)
+        text = self.engine.tokenizer.decode(list(request.token_ids), request.skip_special_tokens)
         return worker_pb2.DetokenizeResponse(text=text)
 
 
