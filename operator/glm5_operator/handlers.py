@@ -1,5 +1,5 @@
 """kopf handlers: thin, typed, registered into a registry of their own so tests and `glm5 operator` build the
-same operator. The work is in reconcile.py.
+same operator. The work is in reconcile/.
 
 - GLM5Deployment / RLJob created, updated or found on start-up (resume) -> apply every child, derive status.
   A bad spec -> Ready=False/InvalidSpec, a Warning Event, kopf.PermanentError; nothing is applied.
