@@ -85,7 +85,7 @@ def _router(a: argparse.Namespace) -> None:
 
 
 def _tito(a: argparse.Namespace) -> None:
-    from glm5_tito.app import run
+    from glm5_tito.cli import run
 
     run(a)
 
@@ -97,7 +97,7 @@ def _demo(a: argparse.Namespace) -> None:
 
 
 def _trainer(a: argparse.Namespace) -> None:
-    from glm5_trainer.app import run
+    from glm5_trainer.cli import run
 
     run(a)
 
@@ -133,7 +133,7 @@ def _chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _tito_arguments(p: argparse.ArgumentParser) -> None:
-    from glm5_tito.app import add_arguments
+    from glm5_tito.cli import add_arguments
 
     add_arguments(p)
     _add_config_file(p)
@@ -146,7 +146,7 @@ def _rl_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _trainer_arguments(p: argparse.ArgumentParser) -> None:
-    from glm5_trainer.app import add_arguments
+    from glm5_trainer.cli import add_arguments
 
     add_arguments(p)
     _add_config_file(p)

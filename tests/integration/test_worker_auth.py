@@ -212,8 +212,8 @@ def test_a_router_without_the_token_takes_no_worker(worker: dict[str, Any], capl
 
 
 def test_gateway_and_trainer_send_the_token(worker: dict[str, Any]) -> None:
-    from glm5_tito.app import start_gateway
     from glm5_tito.gateway import GatewayConfig
+    from glm5_tito.server import start_gateway
     from glm5_trainer.versions import sync_workers
 
     target = worker["target"]

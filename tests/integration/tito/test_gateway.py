@@ -16,8 +16,8 @@ from glm5.model.presets import init_model
 from glm5.rl.buffer import InProcessBuffer
 from glm5.rl.samples import problems
 from glm5.v1 import tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
-from glm5_tito.app import start_gateway
 from glm5_tito.gateway import GatewayConfig
+from glm5_tito.server import start_gateway
 
 from tests.helpers.procs import start_worker, stop
 

@@ -17,8 +17,8 @@ from glm5.parsing.tools import TAGS, ToolRegistry
 from glm5.rl.buffer import InProcessBuffer
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
-from glm5_tito.app import start_gateway
 from glm5_tito.gateway import GatewayConfig
+from glm5_tito.server import start_gateway
 from glm5_trainer.config import RLConfig
 from glm5_trainer.environment import CALCULATOR_TOOLS, Problem, ToolUse
 from glm5_trainer.loop import RLRun

@@ -20,8 +20,8 @@ from glm5.client import sampling
 from glm5.model.presets import SHIPPED_MODEL
 from glm5.rl.buffer import STREAM, InProcessBuffer, RedisBuffer
 from glm5.v1 import tito_pb2, tito_pb2_grpc
-from glm5_tito.app import start_gateway
 from glm5_tito.gateway import GatewayConfig
+from glm5_tito.server import start_gateway
 from glm5_trainer.config import RLConfig
 from glm5_trainer.loop import RLRun
 from safetensors.torch import load_file

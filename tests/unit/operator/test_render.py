@@ -178,7 +178,7 @@ def test_router_config_is_what_glm5_router_reads(tmp_path: Path) -> None:
 
 
 def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
-    from glm5_tito.app import config_from_args as gateway_config
+    from glm5_tito.cli import config_from_args as gateway_config
 
     gateway = {"virtualNodeReserve": 0.3, "loadBound": 1.5, "tokenizerFingerprint": "a" * 64}
     job = parse_rljob({"policy": {"path": "/m"}, "rollout": {"workers": {"replicas": 4}}, "dataset": {"uri": "/d"},
@@ -199,7 +199,7 @@ def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
     t = parse_args(["trainer", "--config", str(path)])
     assert (t.policy, t.engines, t.gateway) == ("/m", "job-rollout-worker.ml.svc:50051", "job-gateway.ml.svc:50060")
     assert (t.eps_low, t.eps_high, t.staleness_limit, t.dataset, t.steps) == (0.15, 0.35, 4, "/d", 0)
-    from glm5_trainer.app import config_from_args as trainer_config
+    from glm5_trainer.cli import config_from_args as trainer_config
 
     with pytest.raises(ConfigError, match="--policy /m: no config.json"):
         trainer_config(t)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from glm5_cli.main import parse_args
-from glm5_trainer.app import run
+from glm5_trainer.cli import run
 from glm5_trainer.config import RLConfig
 from glm5_trainer.loop import finished
 

@@ -14,7 +14,7 @@ from glm5.model.presets import SHIPPED_MODEL
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5.v1 import tito_pb2
 from glm5_cli.main import parse_args
-from glm5_trainer.app import config_from_args
+from glm5_trainer.cli import config_from_args
 from glm5_trainer.environment import builtin_problems, environment, load_problems
 from glm5_trainer.policy import MalformedBatch, Policy, make_batch
 from glm5_trainer.sft import problem

@@ -1,4 +1,4 @@
-"""`glm5 tito-gateway`: flags -> GatewayConfig -> gRPC server (health, reflection, graceful stop)."""
+"""`glm5 tito-gateway`: flags -> GatewayConfig -> the gateway's gRPC server (server.py) until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import logging
 import signal
 
-import grpc
 from glm5.errors import ConfigError
 from glm5.rl.buffer import InProcessBuffer, RedisBuffer, RolloutBuffer
 from glm5.security import (
@@ -21,15 +20,12 @@ from glm5.serving import (
     add_connection_arguments,
     connection_limits_from_args,
     freeze_heap,
-    new_server,
-    start_serving,
 )
-from glm5.v1 import tito_pb2, tito_pb2_grpc
 
-from glm5_tito.gateway import Gateway, GatewayConfig
+from glm5_tito.gateway import GatewayConfig
+from glm5_tito.server import start_gateway
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = tito_pb2.DESCRIPTOR.services_by_name["TitoGateway"].full_name
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,21 +61,6 @@ def config_from_args(a: argparse.Namespace) -> GatewayConfig:
                          heartbeat_s=a.heartbeat_interval, tls=tls_from_args(a),
                          connections=connection_limits_from_args(a),
                          internal_token=internal_token_from_args(a))  # fmt: skip
-
-
-async def start_gateway(
-    config: GatewayConfig, buffer: RolloutBuffer, host: str, port: int
-) -> tuple[grpc.aio.Server, Gateway, int]:
-    gateway = Gateway(config, buffer)
-    await gateway.start()
-    server = new_server(limits=config.connections)
-
-    def add(s: grpc.aio.Server) -> None:
-        tito_pb2_grpc.add_TitoGatewayServicer_to_server(gateway, s)  # type: ignore[no-untyped-call]
-
-    _, bound = await start_serving(server, SERVICE_NAME, add, host, port, config.tls)
-    log.info("TITO gateway on %s:%d over %s", host, bound, list(config.engines))
-    return server, gateway, bound
 
 
 def run(a: argparse.Namespace) -> None:
