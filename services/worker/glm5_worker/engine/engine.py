@@ -18,11 +18,13 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from glm5.errors import CapacityError, CheckpointError, ConfigError, InvalidRequestError
 from glm5.kernels.base import DSAKernels
 from glm5.kvcache.storage import PagedKVStorage
+from glm5.model.config import ModelConfig
 from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.parallel import SINGLE, TensorParallel
 from glm5.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -92,15 +94,41 @@ class _StepTimes:
 
 
 class Engine:
+    # the resolved configuration's facts are read where they are kept (resolved.py), not copied
+
+    @property
+    def model_dir(self) -> Path:
+        return self.resolved.model_dir
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.resolved.dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.resolved.kv_dtype
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return self.resolved.index_dtype
+
+    @property
+    def max_model_len(self) -> int:
+        return self.resolved.max_model_len
+
+    @property
+    def served_model_name(self) -> str:
+        return self.resolved.served_model_name
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.resolved.model
+
     def __init__(self, config: EngineConfig, compile_now: bool = True) -> None:
         """`compile_now`: compile the decode steps before returning (False: the caller runs
         compile_in_background's job; AsyncEngine does, serving eagerly meanwhile)."""
         self.config = config
         rc = self.resolved = resolve(config)
-        self.model_dir = rc.model_dir
-        self.dtype, self.kv_dtype, self.index_dtype = rc.dtype, rc.kv_dtype, rc.index_dtype
-        self.max_model_len = rc.max_model_len
-        self.served_model_name = rc.served_model_name
         self.replica: ReplicaDriver | None = start_replica(rc) if config.tensor_parallel_size > 1 else None
         self._forwarder: Forwarder | None = None  # a pushed folder going to the replica's other hosts
         try:
@@ -113,7 +141,6 @@ class Engine:
             self.close()
             raise
         self.device = self.runner.device
-        self.model_config = rc.model
         self.tokenizer = Tokenizer(rc.model_dir)
         eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids()))
         self.sampler = Sampler(config.seed, self.device, eos_token_ids)
