@@ -131,9 +131,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._stats: list[EngineStats] = []  # the last stats computed
         self._weights_lock = asyncio.Lock()
 
-    @property
+    @functools.cached_property
     def default_max_new_tokens(self) -> int:
-        # the engine is built after the service exists (the port is bound first); no RPC reaches it before
+        # the engine is built after the service exists (the port is bound first); no RPC reaches it before. Read
+        # once: every request asks, and EngineInfo is built whole each time
         return self.engine.info.default_max_new_tokens
 
     async def prime(self) -> None:
