@@ -196,9 +196,11 @@ def ops_per_decode_step(engine: Engine, ids: list[int]) -> tuple[int, list[tuple
 
 @contextmanager
 def running(cmd: list[str], health: str, healthy: Callable[[Any], bool], what: str, timeout_s: float,
-            env: dict[str, str] | None = None) -> Iterator[int]:  # fmt: skip
-    """A server process (its pid), once `healthy(response)` of a GET on its `health` URL; stopped on exit."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[int]:  # fmt: skip
+    """A server process (its pid), once `healthy(response)` of a GET on its `health` URL; stopped on exit. Its
+    output goes to `log` if given."""
+    out = log.open("wb") if log is not None else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -215,6 +217,8 @@ def running(cmd: list[str], health: str, healthy: Callable[[Any], bool], what: s
     finally:
         proc.terminate()
         proc.wait(30)
+        if log is not None:
+            out.close()  # type: ignore[union-attr]
 
 
 @contextmanager
@@ -227,12 +231,29 @@ def serve(model: Path, threads: int, eager: bool = False) -> Iterator[tuple[str,
            "--grpc-port", str(grpc_port), "--worker-arg=--max-model-len=4096", "--worker-arg=--kv-cache-bytes=256MiB",
            "--worker-arg=--no-kv-int8-tier", *(["--worker-arg=--enforce-eager"] if eager else [])]  # fmt: skip
     base = f"127.0.0.1:{http_port}"
-    with running(cmd, f"http://{base}/health", router_ok, "glm5 serve", 900, env) as pid:
+    with tempfile.TemporaryDirectory() as tmp, running(cmd, f"http://{base}/health", router_ok, "glm5 serve", 900,
+                                                       env, Path(tmp) / "serve.log") as pid:  # fmt: skip
+        if not eager:  # the worker serves eagerly while its decode steps compile: time only the compiled steps
+            wait_for_line(Path(tmp) / "serve.log", COMPILED_LINES, 900)
         with urllib.request.urlopen(f"http://{base}/health", timeout=5) as r:
             (address,) = [w["address"] for w in json.load(r)["workers"]]
         (worker_pid,) = children(pid)
         worker = Worker(address, internal_token(worker_pid))
         yield base, f"127.0.0.1:{grpc_port}", worker, {"router": pid, "worker": worker_pid}
+
+
+# what a worker logs once its background compile ended (glm5_worker.engine.engine: compiled, or eager for good)
+COMPILED_LINES = ("decode steps now run compiled", "no compiled decode steps")
+
+
+def wait_for_line(log: Path, lines: tuple[str, ...], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if any(line in text for line in lines):
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"none of {lines} in the server's log after {timeout_s:.0f} s:\n{text[-3000:]}")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ tokens each generated (from the router's /metrics) and of the requests each ran 
 
 Usage: python benchmarks/routing.py [--model DIR] [--workers 4] [--groups 4] [--users 3] [--turns 4]
                                     [--prefix 1024] [--message 64] [--answer 32] [--modes session,load,kv]
-                                    [--compiled]
+                                    [--compiled] [--kv-cache-bytes 128MiB]
        python benchmarks/routing.py --smoke   # 2 workers, 2 groups of 2 users, 2 turns, short prompts
 """
 
@@ -80,13 +80,14 @@ class Seen:
 
 
 @contextmanager
-def serving(model: Path, workers: int, routing: str, compiled: bool, log: Path) -> Iterator[tuple[str, str]]:
+def serving(model: Path, workers: int, routing: str, compiled: bool, log: Path,
+            kv_cache_bytes: str = "128MiB") -> Iterator[tuple[str, str]]:  # fmt: skip
     """`glm5 serve --workers N --router-arg=--routing=MODE`: (gRPC target, HTTP base) once every worker is in."""
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "glm5_cli", "serve", "--model", str(model), "--workers", str(workers),
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), f"--router-arg=--routing={routing}",
            "--router-arg=--stats-interval=0.2", "--worker-arg=--max-model-len=4096",
-           "--worker-arg=--kv-cache-bytes=128MiB", "--worker-arg=--no-kv-int8-tier"]  # fmt: skip
+           f"--worker-arg=--kv-cache-bytes={kv_cache_bytes}", "--worker-arg=--no-kv-int8-tier"]  # fmt: skip
     if not compiled:
         cmd.append("--worker-arg=--enforce-eager")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -197,6 +198,9 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=32, help="tokens of each answer")
     ap.add_argument("--modes", default="session,load,kv", help="--routing modes to run, in this order")
     ap.add_argument("--compiled", action="store_true", help="compiled decode steps (default: eager, no compile)")
+    ap.add_argument("--kv-cache-bytes", default="128MiB",
+                    help="each worker's KV pool: small enough that the groups' prompts do not all fit in every "
+                    "worker's cache, as on a real model's KV budget")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     if a.smoke:
@@ -214,7 +218,7 @@ def main() -> None:
           f"(block size {block_size}); a fresh glm5 serve per mode\n")  # fmt: skip
     rows = []
     for mode in modes:
-        with serving(model, a.workers, mode, a.compiled, work / f"{mode}.log") as (target, base):
+        with serving(model, a.workers, mode, a.compiled, work / f"{mode}.log", a.kv_cache_bytes) as (target, base):
             rows.append((mode, asyncio.run(workload(target, base, a, vocab, block_size))))
     print("| routing | hit rate | ideal | vs ideal | TTFT p50 ms | TTFT p90 ms | output tok/s | max/mean generated "
           "| max/mean running |")  # fmt: skip

@@ -43,6 +43,7 @@ BENCHMARKS = [
     Benchmark("agentic_eval", False, 120, "| model | set | problems | accuracy |"),
     Benchmark("bare_relay", True, 60, "relayed 16 tokens"),
     Benchmark("breaker_soak", False, 120, "signal                     threshold"),
+    Benchmark("data_plane", False, 90, "| streams | output tok/s | worker loop |"),
     Benchmark("decode_attention", False, 60, "dense/sparse"),
     Benchmark("decode_latency", False, 180, "| server | run | output tok/s |"),
     Benchmark("engine_throughput", False, 120, "transformers tok/s"),

@@ -22,19 +22,25 @@ def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_model: Path) -> No
         built_on.append(threading.current_thread())
         return Engine(EngineConfig(model=str(tiny_model), max_model_len=512, kv_cache_bytes=16 << 20))
 
-    async def main() -> tuple[threading.Thread, list[int]]:
+    def os_name() -> str:
+        return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    async def main() -> tuple[threading.Thread, str, list[int]]:
         engine = await AsyncEngine.start(build)
         try:
             stepping = await engine.run(threading.current_thread)
+            named = await engine.run(os_name)
             params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
             tokens = [t async for out in engine.generate(None, None, [5, 6, 7], params) for t in out.token_ids]
-            return stepping, tokens
+            return stepping, named, tokens
         finally:
             engine.shutdown()
 
-    stepping, tokens = asyncio.run(main())
+    stepping, named, tokens = asyncio.run(main())
     assert built_on == [stepping]
     assert stepping is not threading.main_thread() and stepping.name == "glm5-engine"
+    # the OS's name too (top -H, py-spy, benchmarks/data_plane.py tell the step's CPU from the serving path's)
+    assert named == "glm5-engine"
     assert len(tokens) == 4
 
 

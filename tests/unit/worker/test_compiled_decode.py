@@ -23,7 +23,7 @@ from glm5_worker.engine.sequence import SamplingParams
 from glm5_worker.engine.speculative import SpeculativeConfig
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from tests.helpers.oracle import hf_checkpoint
+from tests.helpers.oracle import hf_checkpoint, mtp_checkpoint
 
 PARITY = {
     "grouped-moe": dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4, index_topk=12),
@@ -129,7 +129,7 @@ def test_compiled_verify_steps(tmp_path: Path, cache: Path) -> None:
     """Speculative decoding: a sequence and its drafts are decode rows of one step, so the verify steps run the
     batched decode graph (the shared-indexer settings of the parity test: its graphs come from the module's
     cache), with the eager engine's greedy tokens without speculation. Prompt lookup (ngram) drafts here; the MTP
-    layer's own graphs (CompiledDecode.run_draft) compile cold in ~70 s more and are left to the device check."""
+    layer's own graphs are the next test's."""
     hf_checkpoint(tmp_path / "m", seed=3, vocab_size=1024, **PARITY["shared-indexer"])
     write_tokenizer(tmp_path / "m")
     settings = SETTINGS["shared-indexer"]
@@ -145,6 +145,27 @@ def test_compiled_verify_steps(tmp_path: Path, cache: Path) -> None:
     counters = compiled.stats().speculative
     assert counters is not None and counters.steps > 0 and counters.drafted >= counters.steps
     assert runner.fallbacks == 0 and runner.steps > 0
+
+
+def test_compiled_verify_steps_and_mtp_passes(tmp_path: Path) -> None:
+    """Speculative decoding with the MTP layer: a sequence's verify rows run through the decode graphs (the batch
+    graph for one sequence and its drafts) and the MTP layer's decode passes through graphs of their own
+    (CompiledDecode.run_draft), with the eager engine's greedy tokens. Its graphs compile cold (~140 s here):
+    nothing else in the suite checks the MTP passes compiled."""
+    mtp_checkpoint(tmp_path / "m", 3, seed=3, vocab_size=1024, **PARITY["grouped-moe"])
+    write_tokenizer(tmp_path / "m")
+    spec = SpeculativeConfig("mtp", 2)
+    eager = engine(tmp_path / "m", True, tmp_path / "cache", speculative=spec)
+    compiled = engine(tmp_path / "m", False, tmp_path / "cache", speculative=spec)
+    runner = compiled.runner.compiled
+    assert runner is not None and runner.draft_ready == runner.ready == {Shape(True, True), Shape(False, True)}
+    ps = prompts([5, 40], seed=1)
+    for together in (False, True):
+        assert generate(compiled, ps, 20, together) == generate(eager, ps, 20, together), f"together={together}"
+    # every verify step and every MTP pass but those after a prefill (their rows are a chunk) ran compiled
+    assert runner.fallbacks == 0 and runner.steps > 0 and runner.draft_steps >= 2 * runner.steps - 3
+    c = compiled.stats().speculative
+    assert c is not None and c.drafted > 0
 
 
 def test_what_cannot_be_compiled_runs_eagerly(tmp_path: Path) -> None:

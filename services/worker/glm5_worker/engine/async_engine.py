@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from glm5.errors import CheckpointError, ConfigError, Glm5Error, InvalidRequestError
+from glm5.osthread import name_os_thread
 from glm5.tokenizer import Tokenizer
 
 from glm5_worker.engine.compiled import CompiledDecode
@@ -149,6 +150,7 @@ class AsyncEngine:
 
     # engine thread ------------------------------------------------------------------------------------------
     def _run(self, build: Callable[[], Engine]) -> None:
+        name_os_thread(self._thread.name)
         try:
             self._serve(build)
         finally:
