@@ -13,7 +13,7 @@ from glm5.v1 import worker_pb2
 from glm5_router.config import BreakerConfig, RouterConfig
 from glm5_router.scheduling.dispatcher import FAILING_AFTER, Batch, Dispatcher
 from glm5_router.scheduling.job import Job
-from glm5_router.scheduling.queues import InProcessQueues
+from glm5_router.scheduling.queues import SHORT, InProcessQueues, lane_score
 from glm5_router.workers.breaker import CircuitBreaker, State
 from glm5_router.workers.picker import Picker
 from glm5_router.workers.pool import Worker, WorkerPool
@@ -229,6 +229,34 @@ def test_queues_order_pause_and_capacity() -> None:
         q.put(_job(20))
     q.discard(retried)
     assert len(q) == 4 and q.peek(False).id == "j6"  # type: ignore[union-attr]
+    assert q.depth() == {"short": 3, "medium": 0, "long": 1}  # a discarded job no longer counts
+
+
+def test_a_retried_medium_job_goes_before_other_medium_jobs_not_before_short_ones() -> None:
+    q = InProcessQueues(max_queued=10)
+    first_medium, short, retried = _job(1, "medium"), _job(2, "short"), _job(3, "medium")
+    for j in (first_medium, short):
+        q.put(j)
+    q.put(retried, front=True)
+    order = []
+    while (j := q.peek(long_paused=False)) is not None:
+        q.pop(j)
+        order.append(j.id)
+    assert order == ["j2", "j3", "j1"]
+
+
+def test_the_shared_queue_scores_jobs_as_the_in_process_queues_order_them() -> None:
+    """The Redis queues (two sorted sets) and the in-process ones take their order from the same lane_score."""
+    jobs = [_job(1, "long", prompt=900), _job(2, "medium"), _job(3, "short"), _job(4, "long", prompt=20)]
+    by_score = sorted(jobs, key=lambda j: (lane_score(j, 1.7e9)[0] != SHORT, lane_score(j, 1.7e9)[1]))
+    q = InProcessQueues(max_queued=10)
+    for j in jobs:
+        q.put(j)
+    order = []
+    while (j := q.peek(long_paused=False)) is not None:
+        q.pop(j)
+        order.append(j)
+    assert [j.id for j in order] == [j.id for j in by_score] == ["j3", "j2", "j4", "j1"]
 
 
 class RecordingDispatcher(Dispatcher):

@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from glm5_router.config import RouterConfig
 from glm5_router.scheduling.job import Job
-from glm5_router.scheduling.queues import InProcessQueues
+from glm5_router.scheduling.queues import InProcessQueues, long_paused
 from glm5_router.telemetry import Telemetry
 from glm5_router.workers.picker import Picker
 from glm5_router.workers.pool import Worker, WorkerPool
@@ -201,14 +201,11 @@ class Dispatcher:
         self.last_failure = type(exc).__name__
         self.telemetry.dispatch_failures.inc()
 
-    def _long_paused(self, workers: list[Worker]) -> bool:
-        return bool(workers) and min(w.kv_usage for w in workers) > self.config.long_pause_kv_usage
-
     def _dispatch(self) -> None:
         workers = self.pool.routable()
-        long_paused = self._long_paused(workers)
+        paused = long_paused(workers, self.config.long_pause_kv_usage)
         while True:
-            job = self.queues.peek(long_paused)
+            job = self.queues.peek(paused)
             if job is None:
                 return
             candidates = [w for w in workers if w.address not in job.failed_on] or workers

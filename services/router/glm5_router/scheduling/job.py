@@ -47,6 +47,24 @@ class Job:
             hashes = self._block_hashes[block_size] = prompt_block_hashes(self.request.prompt_token_ids, block_size)
         return hashes
 
+    def shared_entry(self) -> dict[str, Any]:
+        """What a router replica taking the job from the shared queue needs to run it (JSON; the deadline on the
+        wall clock, which the replicas share). The rest of a job (reasoning budget, parsing) stays with the replica
+        that streams it to its client."""
+        return {
+            "request": self.request.SerializeToString().hex(), "prompt_tokens": self.prompt_tokens,
+            "max_new_tokens": self.max_new_tokens, "lane": self.lane, "affinity": self.affinity_key or "",
+            "deadline": time.time() + max(0.0, self.deadline - time.monotonic()),
+        }  # fmt: skip
+
+    @classmethod
+    def from_shared_entry(cls, job_id: str, entry: dict[str, Any]) -> Job:
+        request = worker_pb2.GenerateRequest()
+        request.ParseFromString(bytes.fromhex(entry["request"]))
+        remaining = float(entry["deadline"]) - time.time()
+        return cls(job_id, request, int(entry["prompt_tokens"]), int(entry["max_new_tokens"]), entry["lane"],
+                   time.monotonic() + max(remaining, 0.0), entry["affinity"] or None)  # fmt: skip
+
     @property
     def kv_cost(self) -> int:
         """Estimated KV tokens it will hold: what orders the long queue."""

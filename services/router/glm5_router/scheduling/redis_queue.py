@@ -36,12 +36,11 @@ from redis.exceptions import RedisError
 
 from glm5_router.scheduling.dispatcher import Dispatcher, WorkerStatusError
 from glm5_router.scheduling.job import Job
+from glm5_router.scheduling.queues import LONG, SHORT, lane_score, long_paused
 from glm5_router.workers.pool import WorkerPool
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SHORT, LONG = "queue:short", "queue:long"
-MEDIUM_OFFSET = 1e12  # medium prompts sort after every short one in queue:short
 # Pop from the short queue, else from the long one unless it is paused: one atomic step.
 POP = """
 local r = redis.call('ZPOPMIN', KEYS[1])
@@ -126,12 +125,7 @@ class SharedQueue:
 
     async def submit(self, job: Job) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         key = f"glm5:req:{job.id}"
-        meta = {
-            "request": job.request.SerializeToString().hex(), "prompt_tokens": job.prompt_tokens,
-            "max_new_tokens": job.max_new_tokens, "lane": job.lane, "affinity": job.affinity_key or "",
-            "deadline": time.time() + max(0.0, job.deadline - time.monotonic()),
-        }  # fmt: skip
-        created = await self._retried(lambda: self.redis.set(key, json.dumps(meta), nx=True,
+        created = await self._retried(lambda: self.redis.set(key, json.dumps(job.shared_entry()), nx=True,
                                                              ex=int(self.settings.result_ttl_s)))  # fmt: skip
         if created:
             await self._enqueue(job, key)
@@ -151,11 +145,8 @@ class SharedQueue:
         if queued >= self.max_queued:
             await self._retried(lambda: self.redis.delete(key))
             raise CapacityError(f"the shared queue is full ({self.max_queued} requests); retry later")
-        if job.lane == "long":
-            await self._retried(lambda: self.redis.zadd(LONG, {job.id: job.kv_cost}))
-        else:
-            arrival = time.time() + (MEDIUM_OFFSET if job.lane == "medium" else 0.0)
-            await self._retried(lambda: self.redis.zadd(SHORT, {job.id: arrival}))
+        queue, score = lane_score(job, time.time())  # wall clock: router replicas share the queue
+        await self._retried(lambda: self.redis.zadd(queue, {job.id: score}))
 
     async def _depth(self) -> int:
         return int(await self.redis.zcard(SHORT)) + int(await self.redis.zcard(LONG))
@@ -258,7 +249,7 @@ class SharedQueue:
         capacity = len(workers) * self.settings.claims_per_worker - len(self._running)
         if not workers or capacity <= 0:
             return False
-        paused = min(w.kv_usage for w in workers) > self.long_pause_kv_usage
+        paused = long_paused(workers, self.long_pause_kv_usage)
         raw = await self._pop(keys=[SHORT, LONG], args=["1" if paused else "0"])
         if raw is None:
             return False
@@ -273,13 +264,9 @@ class SharedQueue:
 
     async def _run(self, job_id: str, meta: dict[str, Any]) -> None:
         stream = f"glm5:resp:{job_id}"
-        request = worker_pb2.GenerateRequest()
-        request.ParseFromString(bytes.fromhex(meta["request"]))
-        remaining = float(meta["deadline"]) - time.time()
-        job = Job(job_id, request, int(meta["prompt_tokens"]), int(meta["max_new_tokens"]), meta["lane"],
-                  time.monotonic() + max(remaining, 0.0), meta["affinity"] or None)  # fmt: skip
+        job = Job.from_shared_entry(job_id, meta)
         try:
-            if remaining <= 0:
+            if job.deadline <= time.monotonic():
                 raise DeadlineError("the request waited past its deadline in the shared queue")
             checked = time.monotonic()
             async with contextlib.aclosing(self.dispatcher.submit(job)) as responses:
