@@ -90,6 +90,7 @@ class PodRunner:
         self._next_ip = 2
         self._task: asyncio.Task[None] | None = None
         self._terminating: set[asyncio.Future[None]] = set()
+        self._launched: list[tuple[str, subprocess.Popen[bytes]]] = []  # every container process, for stop()
         self.restarted_groups: list[str] = []  # pods a LeaderWorkerSet group restart recreated
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -102,6 +103,11 @@ class PodRunner:
         for pod in self.pods.values():
             self._kill(pod)
         await asyncio.gather(*self._terminating)
+        for pod, proc in self._launched:  # a process the runner lost track of must not outlive the test
+            if proc.poll() is None:
+                log.warning("pod %s's process %d outlived the pod runner: killed", pod, proc.pid)
+                proc.kill()
+                proc.wait()
 
     def kill(self, pod: str, container: str | None = None) -> None:
         """SIGKILL a container's process, as an OOM kill or a node problem would (its restartPolicy applies)."""
@@ -149,9 +155,10 @@ class PodRunner:
         await asyncio.to_thread(self._create_claims)
         for name in set(self.pods) - set(wanted):  # scaled down or deleted: out of DNS at once, then stopped
             pod = self.pods.pop(name)
-            await asyncio.to_thread(self.kube.delete, Ref("v1", "Pod", self.ns, name))
-            grace = float(pod.manifest["spec"].get("terminationGracePeriodSeconds", 30))
-            task = asyncio.create_task(asyncio.to_thread(self._kill, pod, grace))  # SIGTERM, SIGKILL after the grace
+            # its stop is a task from here on, with no await between: a runner stopped meanwhile (a test that saw
+            # the pod go ends at once) still waits for it, where a pass cancelled at an await before the task
+            # existed left the pod's process running after the suite (seen: an RLJob's TITO gateway)
+            task = asyncio.create_task(asyncio.to_thread(self._remove, pod))
             self._terminating.add(task)
             task.add_done_callback(self._terminating.discard)
         for name, manifest in wanted.items():
@@ -275,6 +282,7 @@ class PodRunner:
             ["unshare", "--mount", "--propagation", "private", sys.executable, "-m", "tests.helpers.podns",
              str(spec_file)], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **env},
         )  # fmt: skip
+        self._launched.append((pod.name, pod.procs[name]))
 
     def _refresh_volumes(self, pod: RunningPod) -> None:
         """ConfigMap and Secret volumes follow their objects, as the kubelet's periodic sync makes them (each file
@@ -433,6 +441,11 @@ class PodRunner:
                 f.seek(0)
                 f.truncate()
                 f.write(text)
+
+    def _remove(self, pod: RunningPod) -> None:
+        """A pod scaled down or deleted: its object deleted, its processes SIGTERMed, SIGKILLed after the grace."""
+        self.kube.delete(Ref("v1", "Pod", self.ns, pod.name))
+        self._kill(pod, float(pod.manifest["spec"].get("terminationGracePeriodSeconds", 30)))
 
     def _kill(self, pod: RunningPod, grace: float = 10.0) -> None:
         for proc in pod.procs.values():
