@@ -125,8 +125,8 @@ class SharedQueue:
 
     async def submit(self, job: Job) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         key = f"glm5:req:{job.id}"
-        created = await self._retried(lambda: self.redis.set(key, json.dumps(job.shared_entry()), nx=True,
-                                                             ex=int(self.settings.result_ttl_s)))  # fmt: skip
+        entry = json.dumps(job.shared_entry())  # once: a retried write must not move the deadline
+        created = await self._retried(lambda: self.redis.set(key, entry, nx=True, ex=int(self.settings.result_ttl_s)))
         if created:
             await self._enqueue(job, key)
         finished = False
