@@ -116,6 +116,15 @@ def test_prefix_cache_reuses_blocks_and_keeps_outputs(checkpoint) -> None:
     run(engine)
     engine.add_request("d", None, other + [9], greedy(1))
     assert run(engine)["d"][-1].cached_prompt_tokens >= 16 * (len(other) // 16) - 16 > 0
+    # two requests sharing a prefix at once: the second waits a step for the first's blocks, then finds them
+    burst = prompts(1, seed=9)[0] * 2
+    engine.add_request("e", None, burst + [5], greedy(8))
+    engine.add_request("f", None, burst + [6], greedy(8))
+    outs = run(engine)
+    assert outs["e"][-1].cached_prompt_tokens == 0
+    assert outs["f"][-1].cached_prompt_tokens == 16 * (len(burst) // 16) > 0
+    engine.add_request("f-alone", None, burst + [6], greedy(8))
+    assert tokens(outs["f"]) == tokens(run(engine)["f-alone"])
 
 
 def _prompt_logprobs_with_tier(path: Path, prompt: list[int], **kw) -> tuple[list[float], int]:

@@ -118,6 +118,47 @@ def test_admission_reuses_cached_prefixes_except_for_prompt_logprobs() -> None:
     assert again.num_cached_prompt_tokens == 8 and logprobs.num_cached_prompt_tokens == 0
 
 
+def test_a_prefix_another_sequence_is_computing_is_waited_for_then_found_cached() -> None:
+    blocks = BlockManager(64, 0, BLOCK, l1_tokens=0)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    shared = list(range(500, 512))  # three full blocks
+    leader = Sequence("leader", [*shared, 1, 2], SamplingParams(max_new_tokens=9), cast(Any, None))
+    follower = Sequence("follower", [*shared, 3, 4], SamplingParams(max_new_tokens=9), cast(Any, None))
+    other = seq("other", 6, 900)
+    logprobs = Sequence("logprobs", [*shared, 5], SamplingParams(max_new_tokens=9, prompt_logprobs=True),
+                        cast(Any, None))  # fmt: skip
+    for s in (leader, follower, other, logprobs):
+        sched.add(s)
+    step = sched.schedule()
+    # the follower's first block is the leader's, not computed yet: it waits, and the sequences behind it
+    # (one that shares nothing, one that may not use the cache) are admitted meanwhile
+    assert names(step) == ([], [("leader", 14), ("other", 6), ("logprobs", 13)])
+    assert [s.request_id for s in sched.waiting] == ["follower"] and sched.num_deferred == 1
+    run(step, blocks)
+    step = sched.schedule()
+    assert names(step) == (["leader", "other", "logprobs"], [("follower", 2)])
+    assert follower.num_cached_prompt_tokens == 12
+    # the put-off query counted once: leader 14 tokens, 0 found; other 6, 0; follower 14, 12
+    assert (blocks.prefix_queries, blocks.prefix_hits) == (34, 12)
+
+
+def test_a_chunked_prefix_is_waited_for_block_by_block_and_the_follower_never_recomputes_it() -> None:
+    blocks = BlockManager(64, 0, BLOCK, l1_tokens=0)
+    sched = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=8)
+    prompt = list(range(700, 721))  # five full blocks and one token
+    leader = Sequence("leader", prompt, SamplingParams(max_new_tokens=9), cast(Any, None))
+    follower = Sequence("follower", [*prompt[:20], 9, 9], SamplingParams(max_new_tokens=9), cast(Any, None))
+    sched.add(leader)
+    sched.add(follower)
+    computed_by_follower = 0
+    for _ in range(6):
+        step = sched.schedule()
+        computed_by_follower += sum(n for s, n in step.prefills if s is follower)
+        run(step, blocks)
+    assert follower.output_ids and follower.num_cached_prompt_tokens == 20
+    assert computed_by_follower == 2
+
+
 def test_abort_all_finishes_every_sequence_and_frees_the_pool() -> None:
     blocks = BlockManager(8, 0, BLOCK, l1_tokens=0, prefix_caching=False)
     sched = Scheduler(blocks, max_num_seqs=1, max_num_batched_tokens=64)

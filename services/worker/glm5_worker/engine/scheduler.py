@@ -5,6 +5,11 @@ latency flat); sequences part-way through their prompt continue with a chunk; th
 admitted in arrival order while the budget, the sequence cap and the KV pool allow. When the pool runs out
 during decode, the most recently admitted sequence is preempted: its blocks are freed (full ones stay in the
 prefix cache) and it is recomputed later from its tokens, like vLLM's recompute preemption.
+
+A waiting sequence whose next uncached block is one a running sequence is still computing (a burst of requests
+sharing a system prompt) waits until that block is computed and cached, then finds it there, like SGLang's
+in-batch prefix caching: computing the same prefix twice in one step costs the step its time and the cache a
+hit. Sequences behind it are admitted meanwhile.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_deferred = 0  # admissions put off to find a prefix another sequence was computing
 
     @property
     def has_work(self) -> bool:
@@ -83,24 +89,38 @@ class Scheduler:
                 if self.blocks.ensure_slots(seq, n):
                     step.prefills.append((seq, n))
                     budget -= n
+        computing = self._computing() if self.waiting and self.blocks.prefix_caching else set()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.popleft()
             # prompt logprobs need the logits of every prompt token: no cached prefix for them
             matched = None if seq.params.prompt_logprobs else self.blocks.match_prefix(seq)
+            nxt = len(seq.block_table)
+            if matched is not None and nxt < len(seq.block_hashes) and seq.block_hashes[nxt] in computing:
+                self.blocks.unmatch(seq, matched)
+                deferred.append(seq)
+                self.num_deferred += 1
+                continue
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.ensure_slots(seq, n):
                 # a waiting sequence holds no blocks: the prefix it matched goes back (still cached, matched
                 # again next step). Kept, the matches of preempted sequences queued in front of each other held
                 # the pool between them with nothing running, for good.
                 self.blocks.unmatch(seq, matched)
+                self.waiting.appendleft(seq)
                 break
             if not seq.output_ids:
                 seq.num_cached_prompt_tokens = matched or 0
-            self.waiting.popleft()
             self.running.append(seq)
             step.prefills.append((seq, n))
             budget -= n
+            computing.update(seq.block_hashes[seq.num_registered_blocks :])
+        self.waiting.extendleft(reversed(deferred))
         return step
+
+    def _computing(self) -> set[bytes]:
+        """The hashes of the prompt blocks running sequences have yet to compute (cached once they have)."""
+        return {h for seq in self.running for h in seq.block_hashes[seq.num_registered_blocks :]}
 
     def abort_all(self) -> list[Sequence]:
         seqs = [*self.running, *self.waiting]
