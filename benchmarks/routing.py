@@ -11,7 +11,9 @@ Per mode (a fresh `glm5 serve` each, so every cache starts empty): the prefix-ca
 (each answer's usage.cached_prompt_tokens over its prompt tokens, summed) against the workload's ideal (a prompt's
 leading blocks that any earlier request's prompt or answer holds: what one infinite cache shared by every worker
 would find), time to first token p50 / p90, output tokens/s over the run, and max / mean over the workers of the
-tokens each generated (from the router's /metrics) and of the requests each ran at once (sampled every 0.2 s).
+tokens each generated (from the router's /metrics) and of the requests each ran at once (sampled every 0.2 s),
+and TTFT p50 per turn (turn 1 finds nothing of its own cached; every user starts at once, so a mode that ends
+turn 1 together sends turn 2 together).
 
 Usage: python benchmarks/routing.py [--model DIR] [--workers 4] [--groups 4] [--users 3] [--turns 4]
                                     [--prefix 1024] [--message 64] [--answer 32] [--modes session,load,kv]
@@ -51,6 +53,7 @@ from tests.helpers.procs import free_port
 @dataclass
 class Result:
     ttft: list[float] = field(default_factory=list)
+    ttft_by_turn: dict[int, list[float]] = field(default_factory=dict)
     prompt: int = 0
     cached: int = 0
     ideal: int = 0
@@ -139,7 +142,7 @@ async def workload(target: str, base: str, a: argparse.Namespace, vocab: int, bl
     async def user(stub: router_pb2_grpc.RouterStub, group: int, u: int) -> None:
         urng = random.Random(1000 * group + u)
         conversation = list(prefixes[group])
-        for _ in range(a.turns):
+        for turn in range(a.turns):
             conversation += [urng.randrange(3, vocab) for _ in range(a.message)]
             prompt = list(conversation)
             res.ideal += seen.ideal(prompt)
@@ -153,6 +156,7 @@ async def workload(target: str, base: str, a: argparse.Namespace, vocab: int, bl
             async for msg in stub.Generate(request, timeout=600):
                 if not answer and msg.response.token_ids:
                     res.ttft.append(time.perf_counter() - start)
+                    res.ttft_by_turn.setdefault(turn, []).append(res.ttft[-1])
                 answer += msg.response.token_ids
                 if msg.response.HasField("usage"):
                     usage = msg.response.usage
@@ -221,18 +225,20 @@ def main() -> None:
         with serving(model, a.workers, mode, a.compiled, work / f"{mode}.log", a.kv_cache_bytes) as (target, base):
             rows.append((mode, asyncio.run(workload(target, base, a, vocab, block_size))))
     print("| routing | hit rate | ideal | vs ideal | TTFT p50 ms | TTFT p90 ms | output tok/s | max/mean generated "
-          "| max/mean running |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| max/mean running | TTFT p50 by turn ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in rows:
         hit, ideal = r.cached / r.prompt, r.ideal / r.prompt
         ttft = sorted(r.ttft)
         p50, p90 = statistics.median(ttft), ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))]
         gen = list(r.work.values()) or [0.0]
         running = [statistics.fmean(v) for v in r.running.values()] or [0.0]
+        by_turn = " / ".join(f"{statistics.median(v) * 1e3:.0f}" for _, v in sorted(r.ttft_by_turn.items()))
         print(f"| {mode} | {hit:.1%} | {ideal:.1%} | {hit / ideal if ideal else 0:.2f} | {p50 * 1e3:.0f} | "
               f"{p90 * 1e3:.0f} | {r.generated / r.wall_s:.0f} | "
               f"{max(gen) / statistics.fmean(gen) if statistics.fmean(gen) else 0:.2f} | "
-              f"{max(running) / statistics.fmean(running) if statistics.fmean(running) else 0:.2f} |")  # fmt: skip
+              f"{max(running) / statistics.fmean(running) if statistics.fmean(running) else 0:.2f} | "
+              f"{by_turn} |")  # fmt: skip
 
 
 if __name__ == "__main__":
