@@ -17,7 +17,7 @@ turn 1 together sends turn 2 together).
 
 Usage: python benchmarks/routing.py [--model DIR] [--workers 4] [--groups 4] [--users 3] [--turns 4]
                                     [--prefix 1024] [--message 64] [--answer 32] [--modes session,load,kv]
-                                    [--compiled] [--kv-cache-bytes 128MiB]
+                                    [--compiled] [--kv-cache-bytes 128MiB] [--think-ms 0]
        python benchmarks/routing.py --smoke   # 2 workers, 2 groups of 2 users, 2 turns, short prompts
 """
 
@@ -143,6 +143,8 @@ async def workload(target: str, base: str, a: argparse.Namespace, vocab: int, bl
         urng = random.Random(1000 * group + u)
         conversation = list(prefixes[group])
         for turn in range(a.turns):
+            if a.think_ms:
+                await asyncio.sleep(urng.uniform(0, a.think_ms) / 1e3)
             conversation += [urng.randrange(3, vocab) for _ in range(a.message)]
             prompt = list(conversation)
             res.ideal += seen.ideal(prompt)
@@ -205,6 +207,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", default="128MiB",
                     help="each worker's KV pool: small enough that the groups' prompts do not all fit in every "
                     "worker's cache, as on a real model's KV budget")  # fmt: skip
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="each user pauses a random 0..N ms before each turn (an agent running its tools); 0: "
+                    "every user sends its next turn the moment its answer ends")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     if a.smoke:
@@ -219,7 +224,7 @@ def main() -> None:
     modes = a.modes.split(",")
     print(f"{a.workers} workers ({'compiled' if a.compiled else 'eager'}), {a.groups} groups x {a.users} users x "
           f"{a.turns} turns: system prompt {a.prefix} tokens, messages {a.message}, answers {a.answer} "
-          f"(block size {block_size}); a fresh glm5 serve per mode\n")  # fmt: skip
+          f"(block size {block_size}), think time 0..{a.think_ms:g} ms; a fresh glm5 serve per mode\n")  # fmt: skip
     rows = []
     for mode in modes:
         with serving(model, a.workers, mode, a.compiled, work / f"{mode}.log", a.kv_cache_bytes) as (target, base):
