@@ -41,10 +41,9 @@ from glm5.model.presets import default_model_path
 from glm5.tokenizer.tokenizer import Tokenizer
 from glm5_trainer.environment import prompt_ids
 from glm5_trainer.tool_family import held_out_problems
-from glm5_worker.config import EngineConfig
+from glm5_worker.config import CPU_DISABLE_BY_BATCH_SIZE, EngineConfig, SpeculativeConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
-from glm5_worker.engine.speculative import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._launch import COMPILED, tail

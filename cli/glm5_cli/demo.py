@@ -44,10 +44,10 @@ from glm5_trainer.sft import train
 from glm5_trainer.tool_family import evaluation_sets, held_out_problems
 from glm5_trainer.tool_family import sample as sample_tool_problem
 from glm5_trainer.tool_sft import finetune
-from glm5_worker.config import EngineConfig
+from glm5_worker.config import EngineConfig, SpeculativeConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import FinishReason, SamplingParams
-from glm5_worker.engine.speculative import SpecCounters, SpeculativeConfig
+from glm5_worker.engine.speculative import SpecCounters
 from glm5_worker.engine.structured import OutputFormat
 
 

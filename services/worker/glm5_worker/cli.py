@@ -26,8 +26,7 @@ from glm5.security import (
 from glm5.serving import add_connection_arguments, connection_limits_from_args
 from glm5.units import parse_bytes
 
-from glm5_worker.config import EngineConfig
-from glm5_worker.engine.speculative import SpeculativeConfig
+from glm5_worker.config import EngineConfig, SpeculativeConfig
 from glm5_worker.parallel.driver import threads_per_rank
 from glm5_worker.parallel.follower import run_follower_host
 from glm5_worker.server.app import ServerSecurity, serve_until_signal

@@ -2,17 +2,87 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from glm5.devices import DEVICE_CHOICES
 from glm5.errors import ConfigError
 from glm5.kernels import KERNEL_CHOICES
 from glm5.model.config import validate_rope_factor
 
-from glm5_worker.engine.speculative import SpeculativeConfig
-
 DEFAULT_MAX_MODEL_LEN = 131072
+
+# speculative decoding (glm5_worker.engine.speculative runs it): vLLM's --speculative-config methods and keys
+METHODS = ("mtp", "ngram", "auto")
+AUTO = "auto"  # mtp where the checkpoint stores an MTP layer; else off
+AUTO_SPECULATIVE_TOKENS = 3  # vLLM's GLM-5 recipe
+MAX_SPECULATIVE_TOKENS = 8
+_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+# On a CPU a step's cost grows with its rows (each row's attention and indexer work, not the weights' reads,
+# dominates): with prompt lookup on the demo model, speculation gave 1.17x at batch 1 (k = 1) and 0.81x / 0.49x of
+# the throughput without it at batch 2 / 4 (docs/benchmarks.md r), so by default a CPU worker drafts only while
+# one sequence decodes.
+CPU_DISABLE_BY_BATCH_SIZE = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    disable_by_batch_size: int | None = None  # no drafting while more sequences than this run (vLLM's rule)
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up
+    prompt_lookup_min: int = 1  # ngram: shortest
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"--speculative-config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--speculative-config num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, "
+                              f"got {k!r}")  # fmt: skip
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or d < 1):
+            raise ConfigError(f"--speculative-config disable_by_batch_size must be an integer >= 1, got {d!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+            raise ConfigError(f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, "
+                              f"got {lo!r} and {hi!r}")  # fmt: skip
+
+    @classmethod
+    def parse(cls, text: str | None, device_type: str = "cpu") -> SpeculativeConfig | None:
+        """vLLM's flag value: a JSON object, or none / empty for no speculation. Without disable_by_batch_size,
+        a CPU worker speculates only while one sequence decodes (CPU_DISABLE_BY_BATCH_SIZE); an accelerator
+        always does (vLLM's default)."""
+        if text is None or text.strip().lower() in ("", "none", "null", "off"):
+            return None
+        if text.strip().lower() == AUTO:
+            text = json.dumps({"method": AUTO})
+        try:
+            raw: Any = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"--speculative-config must be a JSON object or none: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--speculative-config must be a JSON object, e.g. "
+                              '\'{"method": "mtp", "num_speculative_tokens": 3}\'')  # fmt: skip
+        unknown = sorted(set(raw) - _KEYS)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown keys {', '.join(unknown)} (known: "
+                              f"{', '.join(sorted(_KEYS))})")  # fmt: skip
+        if raw.get("method") in ("deepseek_mtp", "glm4_moe_mtp"):  # vLLM's older spellings of the same method
+            raw["method"] = "mtp"
+        if raw.get("method") == AUTO:
+            raw.setdefault("num_speculative_tokens", AUTO_SPECULATIVE_TOKENS)
+        if "disable_by_batch_size" not in raw and device_type == "cpu":
+            raw["disable_by_batch_size"] = CPU_DISABLE_BY_BATCH_SIZE
+        return cls(**raw)
+
+    def flag(self) -> str:
+        """The flag value that gives this config back (passed to the other ranks and processes)."""
+        return json.dumps({k: getattr(self, k) for k in sorted(_KEYS)})
 
 
 def _eager_by_default() -> bool:
@@ -57,7 +127,7 @@ class EngineConfig:
     sparsity_patience: int = 3
     sparsity_widen_factor: float = 1.5
     entropy_interval: int = 8  # measure attention entropy every N engine steps
-    # compiled decode steps (glm5_worker.engine.compiled): vLLM's --enforce-eager turns them off
+    # compiled decode steps (glm5_worker.runner.compiled): vLLM's --enforce-eager turns them off
     enforce_eager: bool = field(default_factory=_eager_by_default)
     compile_max_batch: int = 8  # decode batches up to this size run compiled; larger ones eager
     compile_cache_dir: str | None = None  # None: $GLM5_COMPILE_CACHE or ~/.cache/glm5/compile

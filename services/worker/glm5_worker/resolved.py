@@ -19,8 +19,7 @@ from glm5.model.presets import default_model_path
 from glm5.model.quant import check_quantization
 from glm5.parallel import check_divisible
 
-from glm5_worker.config import DEFAULT_MAX_MODEL_LEN, EngineConfig
-from glm5_worker.engine.speculative import AUTO, SpeculativeConfig
+from glm5_worker.config import AUTO, DEFAULT_MAX_MODEL_LEN, EngineConfig, SpeculativeConfig
 from glm5_worker.kv.sizing import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class ResolvedConfig:
 def auto_speculation(config: EngineConfig, model: ModelConfig, model_dir: Path,
                      device_type: str) -> SpeculativeConfig | None:  # fmt: skip
     """What `--speculative-config auto` means for this checkpoint and device: its MTP layer drafting where it
-    stores one and the device is an accelerator, else no speculation (glm5_worker.engine.speculative: AUTO)."""
+    stores one and the device is an accelerator, else no speculation (glm5_worker.config: AUTO)."""
     spec = config.speculative
     assert spec is not None
     if not model.num_nextn_predict_layers:

@@ -12,7 +12,7 @@ from glm5_worker.config import EngineConfig
 from glm5_worker.engine.async_engine import AsyncEngine, EngineStopped
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
-from glm5_worker.engine.threads import in_own_thread
+from glm5_worker.runner.threads import in_own_thread
 
 
 def test_the_engine_is_built_on_the_thread_that_steps_it(tiny_model: Path) -> None:

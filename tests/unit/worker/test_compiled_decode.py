@@ -1,4 +1,4 @@
-"""Compiled decode steps (glm5_worker.engine.compiled) give the eager engine's greedy tokens, and really run.
+"""Compiled decode steps (glm5_worker.runner.compiled) give the eager engine's greedy tokens, and really run.
 
 Compiling is slow on 2 cores (tens of seconds per graph, cold), so the suite runs eagerly (GLM5_ENFORCE_EAGER=1,
 tests/conftest.py) and only these tests compile: two of the transformers parity configurations (top-k 12,
@@ -16,11 +16,10 @@ import torch
 from glm5.model.loader import load_model
 from glm5.model.presets import init_model
 from glm5.tokenizer.build import write_tokenizer
-from glm5_worker.config import EngineConfig
-from glm5_worker.engine.compiled import Shape, unavailable
+from glm5_worker.config import EngineConfig, SpeculativeConfig
 from glm5_worker.engine.engine import Engine
 from glm5_worker.engine.sequence import SamplingParams
-from glm5_worker.engine.speculative import SpeculativeConfig
+from glm5_worker.runner.compiled import Shape, unavailable
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from tests.helpers.oracle import hf_checkpoint, mtp_checkpoint

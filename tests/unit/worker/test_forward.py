@@ -1,5 +1,5 @@
 """What rank 0 of a multi-pod replica forwards of a pushed checkpoint to another host's rank
-(glm5_worker.engine.weights.forward_plan): exactly the parts of each tensor that rank's shard reads, so the shard
+(glm5_worker.runner.weights.forward_plan): exactly the parts of each tensor that rank's shard reads, so the shard
 it builds from them equals the one it would load from the files, for float, FP8-block and INT4 checkpoints,
 split by tensor or by expert. The bytes' trip over gloo is tests/integration/test_weight_sync.py's."""
 
@@ -15,7 +15,7 @@ from glm5.model.loader import build_model, checkpoint_files, load_model, shard_r
 from glm5.model.quant import QuantConfig
 from glm5.parallel import TensorParallel
 from glm5.weight_sync import Manifest, Received, box_of, decode_needs, encode_needs, segments, sent_shape
-from glm5_worker.engine.weights import forward_plan
+from glm5_worker.runner.weights import forward_plan
 
 from tests.unit.model.test_quantized_parity import Checkpoints
 
@@ -28,7 +28,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
 
 
 def _forwarded(path: Path, tp: TensorParallel, bucket_bytes: int) -> tuple[int, torch.nn.Module]:
-    """The shard rank `tp.rank` builds from what it asks rank 0 for (as glm5_worker.engine.weights.
+    """The shard rank `tp.rank` builds from what it asks rank 0 for (as glm5_worker.runner.weights.
     receive_checkpoint asks; the bytes cut as glm5.weight_sync.send cuts them, without the network); also the
     bytes it asked for."""
     config = ModelConfig.from_file(path)

@@ -13,11 +13,11 @@ import pytest
 import torch
 from glm5.errors import CheckpointError, ConfigError
 from glm5.tokenizer.build import write_tokenizer
-from glm5_worker.config import EngineConfig
+from glm5_worker.config import EngineConfig, SpeculativeConfig
 from glm5_worker.engine.engine import Engine, RequestOutput
 from glm5_worker.engine.sampler import Sampler
 from glm5_worker.engine.sequence import FinishReason, SamplingParams, Sequence
-from glm5_worker.engine.speculative import SpeculativeConfig, ngram_drafts, verify
+from glm5_worker.engine.speculative import ngram_drafts, verify
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.oracle import mtp_checkpoint
@@ -145,7 +145,7 @@ def test_auto_drafts_with_a_stored_mtp_layer_on_an_accelerator(tiny_model: Path,
 def test_a_weight_update_without_the_mtp_layer_keeps_the_served_one(checkpoint: Path, tmp_path: Path) -> None:
     """A trainer's policy carries the model, not its drafter: the update replaces the decoder layers and leaves
     the MTP layer; an update that carries an MTP layer replaces it too."""
-    from glm5_worker.engine.weights import read_checkpoint, swap_in_place
+    from glm5_worker.runner.weights import read_checkpoint, swap_in_place
 
     eng = make_engine(checkpoint, SpeculativeConfig("mtp", 2))
     live = eng.runner.model

@@ -20,9 +20,9 @@ import hashlib
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from glm5_router.config import RouterConfig
-from glm5_router.scheduling.job import Job
 from glm5_router.workers.cache_index import CacheIndex
 from glm5_router.workers.pool import Worker
 
@@ -32,6 +32,15 @@ KV_SLACK = 1  # kv routing lets a worker one request past the bound: a burst sha
 def _score(key: str, address: str) -> int:
     data = f"{key}\0{address}".encode("utf-8", "surrogatepass")  # any str hashes; intake refuses such keys anyway
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class Routable(Protocol):
+    """What a picker reads of a request (scheduling.job.Job is one): the workers layer sits below scheduling."""
+
+    prompt_tokens: int
+    affinity_key: str | None
+
+    def block_hashes(self, block_size: int) -> list[bytes]: ...
 
 
 @dataclass
@@ -51,7 +60,7 @@ class Picker:
         self.routed = RoutedTokens()
         self._turn = itertools.count()
 
-    def pick(self, workers: list[Worker], job: Job) -> Worker | None:
+    def pick(self, workers: list[Worker], job: Routable) -> Worker | None:
         """The worker to use now, or None when every candidate refuses (breakers). Under kv routing the chosen
         worker is recorded in the index as holding the prompt's blocks (it will, once it has prefilled)."""
         if not workers:
@@ -88,7 +97,7 @@ class Picker:
         bound = math.ceil(self.load_factor * (total + 1) / len(ranked)) + slack
         return [w for w in ranked if w.in_flight + 1 <= bound] + [w for w in ranked if w.in_flight + 1 > bound]
 
-    def _by_cache(self, workers: list[Worker], job: Job) -> tuple[list[Worker], dict[str, int]]:
+    def _by_cache(self, workers: list[Worker], job: Routable) -> tuple[list[Worker], dict[str, int]]:
         assert self.index is not None
         hits: dict[str, int] = {}
         for size in {w.cache_block_size for w in workers if w.cache_block_size}:

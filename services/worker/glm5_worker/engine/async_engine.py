@@ -29,12 +29,12 @@ from glm5.errors import CheckpointError, ConfigError, Glm5Error, InvalidRequestE
 from glm5.osthread import name_os_thread
 from glm5.tokenizer import Tokenizer
 
-from glm5_worker.engine.compiled import CompiledDecode
 from glm5_worker.engine.engine import Engine, EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams
-from glm5_worker.engine.threads import in_own_thread, settle
-from glm5_worker.engine.weights import WeightSource, read_weights
 from glm5_worker.parallel.replica import ReplicaFailure
+from glm5_worker.runner.compiled import CompiledDecode
+from glm5_worker.runner.threads import in_own_thread, settle
+from glm5_worker.runner.weights import WeightSource, read_weights
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

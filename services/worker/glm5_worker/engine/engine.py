@@ -30,8 +30,6 @@ from glm5.parallel import SINGLE, TensorParallel
 from glm5.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from glm5_worker.config import EngineConfig
-from glm5_worker.engine.compiled import CompiledDecode
-from glm5_worker.engine.model_runner import ModelRunner, RankMemory, StepPlan
 from glm5_worker.engine.output_processor import OutputProcessor, RequestOutput, format_prefix
 from glm5_worker.engine.sampler import Sampler
 from glm5_worker.engine.scheduler import ScheduledStep, Scheduler
@@ -40,13 +38,16 @@ from glm5_worker.engine.sparsity import SparsityController
 from glm5_worker.engine.speculative import SpecCounters, can_speculate, draft_budget, draft_token, ngram_drafts
 from glm5_worker.engine.structured import Grammars
 from glm5_worker.engine.validation import Limits, validate_params, validate_prompt_ids
-from glm5_worker.engine.weights import Forwarder, WeightSource
 from glm5_worker.kv.block_manager import BlockManager, KVStats
 from glm5_worker.kv.events import CacheDelta
 from glm5_worker.parallel.driver import ReplicaDriver, start_replica
 from glm5_worker.parallel.protocol import Draft
 from glm5_worker.parallel.replica import ReplicaFailure
 from glm5_worker.resolved import resolve
+from glm5_worker.runner.compiled import CompiledDecode
+from glm5_worker.runner.model_runner import ModelRunner
+from glm5_worker.runner.plan import RankMemory, StepPlan
+from glm5_worker.runner.weights import Forwarder, WeightSource
 
 __all__ = ["Engine", "EngineStats", "RequestOutput"]
 log = logging.getLogger(__name__)

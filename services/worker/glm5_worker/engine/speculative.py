@@ -5,7 +5,7 @@ Proposers (vLLM's `--speculative-config` methods and keys):
 - `mtp`: the checkpoint's multi-token-prediction layer(s) (glm5.model.model.MTPLayer), one layer applied
   recursively for k > 1. The engine runs it over every position the target computes, so its own KV rows (cache
   layer index L + i) follow the sequence; those rows only shape drafts, never what is accepted.
-- `auto` (the worker's default): `mtp` with AUTO_SPECULATIVE_TOKENS drafts where the checkpoint stores an MTP
+- `auto` (the worker's default): `mtp` with config.AUTO_SPECULATIVE_TOKENS drafts where the checkpoint stores an MTP
   layer and the worker runs on an accelerator, else no speculation (glm5_worker.resolved decides at start-up). On
   a CPU every verify row and MTP pass costs a share of the step: with the demo model's trained layer speculation
   gave 0.48-0.55x the tokens/s at batch 1 (docs/benchmarks.md r), so there it is asked for, not assumed.
@@ -35,84 +35,12 @@ logit bias, min_tokens) decode one token per step.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from glm5.errors import ConfigError
 
 from glm5_worker.engine.sampler import Sampler, token_logprob
 from glm5_worker.engine.sequence import Sequence, TokenLogprob
-
-METHODS = ("mtp", "ngram", "auto")
-AUTO = "auto"  # mtp where the checkpoint stores an MTP layer; else off
-AUTO_SPECULATIVE_TOKENS = 3  # vLLM's GLM-5 recipe
-MAX_SPECULATIVE_TOKENS = 8
-_KEYS = {"method", "num_speculative_tokens", "disable_by_batch_size", "prompt_lookup_max", "prompt_lookup_min"}
-
-
-# On a CPU a step's cost grows with its rows (each row's attention and indexer work, not the weights' reads,
-# dominates): with prompt lookup on the demo model, speculation gave 1.17x at batch 1 (k = 1) and 0.81x / 0.49x of
-# the throughput without it at batch 2 / 4 (docs/benchmarks.md r), so by default a CPU worker drafts only while
-# one sequence decodes.
-CPU_DISABLE_BY_BATCH_SIZE = 1
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
-    method: str = "mtp"
-    num_speculative_tokens: int = 1
-    disable_by_batch_size: int | None = None  # no drafting while more sequences than this run (vLLM's rule)
-    prompt_lookup_max: int = 4  # ngram: longest suffix looked up
-    prompt_lookup_min: int = 1  # ngram: shortest
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"--speculative-config method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(f"--speculative-config num_speculative_tokens must be 1..{MAX_SPECULATIVE_TOKENS}, "
-                              f"got {k!r}")  # fmt: skip
-        d = self.disable_by_batch_size
-        if d is not None and (not isinstance(d, int) or d < 1):
-            raise ConfigError(f"--speculative-config disable_by_batch_size must be an integer >= 1, got {d!r}")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
-            raise ConfigError(f"--speculative-config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, "
-                              f"got {lo!r} and {hi!r}")  # fmt: skip
-
-    @classmethod
-    def parse(cls, text: str | None, device_type: str = "cpu") -> SpeculativeConfig | None:
-        """vLLM's flag value: a JSON object, or none / empty for no speculation. Without disable_by_batch_size,
-        a CPU worker speculates only while one sequence decodes (CPU_DISABLE_BY_BATCH_SIZE); an accelerator
-        always does (vLLM's default)."""
-        if text is None or text.strip().lower() in ("", "none", "null", "off"):
-            return None
-        if text.strip().lower() == AUTO:
-            text = json.dumps({"method": AUTO})
-        try:
-            raw: Any = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"--speculative-config must be a JSON object or none: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError("--speculative-config must be a JSON object, e.g. "
-                              '\'{"method": "mtp", "num_speculative_tokens": 3}\'')  # fmt: skip
-        unknown = sorted(set(raw) - _KEYS)
-        if unknown:
-            raise ConfigError(f"--speculative-config: unknown keys {', '.join(unknown)} (known: "
-                              f"{', '.join(sorted(_KEYS))})")  # fmt: skip
-        if raw.get("method") in ("deepseek_mtp", "glm4_moe_mtp"):  # vLLM's older spellings of the same method
-            raw["method"] = "mtp"
-        if raw.get("method") == AUTO:
-            raw.setdefault("num_speculative_tokens", AUTO_SPECULATIVE_TOKENS)
-        if "disable_by_batch_size" not in raw and device_type == "cpu":
-            raw["disable_by_batch_size"] = CPU_DISABLE_BY_BATCH_SIZE
-        return cls(**raw)
-
-    def flag(self) -> str:
-        """The flag value that gives this config back (passed to the other ranks and processes)."""
-        return json.dumps({k: getattr(self, k) for k in sorted(_KEYS)})
 
 
 def can_speculate(seq: Sequence) -> bool:

@@ -19,8 +19,6 @@ import torch
 from glm5.parallel import CommStats, TensorParallel
 
 from glm5_worker.config import EngineConfig
-from glm5_worker.engine.model_runner import RankMemory, StepPlan
-from glm5_worker.engine.weights import WeightSource
 from glm5_worker.parallel.follower import STOP_WAIT_S, WeightsOutcome, spawn_followers
 from glm5_worker.parallel.protocol import Draft, LoadWeights, Message, Stats, Step, Stop, SwapWeights, Tick
 from glm5_worker.parallel.replica import (
@@ -33,6 +31,8 @@ from glm5_worker.parallel.replica import (
     wait_for_ranks,
 )
 from glm5_worker.resolved import ResolvedConfig
+from glm5_worker.runner.plan import RankMemory, StepPlan
+from glm5_worker.runner.weights import WeightSource
 
 log = logging.getLogger(__name__)
 

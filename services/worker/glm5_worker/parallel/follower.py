@@ -21,12 +21,12 @@ from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.serving import freeze_heap
 
 from glm5_worker.config import EngineConfig
-from glm5_worker.engine.model_runner import ModelRunner
-from glm5_worker.engine.threads import in_own_thread
-from glm5_worker.engine.weights import read_weights
 from glm5_worker.parallel.protocol import Draft, LoadWeights, Stats, Step, Stop, SwapWeights, Tick
 from glm5_worker.parallel.replica import Replica, join, rank_of, rendezvous
 from glm5_worker.resolved import ResolvedConfig, resolve
+from glm5_worker.runner.model_runner import ModelRunner
+from glm5_worker.runner.threads import in_own_thread
+from glm5_worker.runner.weights import read_weights
 
 log = logging.getLogger(__name__)
 WeightsOutcome = tuple[bool, str]  # (read fine, error message)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from glm5_worker.engine.model_runner import StepPlan
-from glm5_worker.engine.weights import WeightSource
+from glm5_worker.runner.plan import StepPlan
+from glm5_worker.runner.weights import WeightSource
 
 
 @dataclass(slots=True)

@@ -23,9 +23,9 @@ from glm5_worker.engine.engine import EngineStats, RequestOutput
 from glm5_worker.engine.sequence import SamplingParams, TokenLogprob
 from glm5_worker.engine.speculative import SpecCounters
 from glm5_worker.engine.structured import OutputFormat
-from glm5_worker.engine.weights import SyncSpec, WeightSource
 from glm5_worker.kv.events import CacheDelta
 from glm5_worker.parallel.replica import ReplicaFailure
+from glm5_worker.runner.weights import SyncSpec, WeightSource
 from glm5_worker.server.push import receive_push
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,8 @@ import torch
 from glm5.model.batch import DecodeGroup, ForwardBatch
 
 if TYPE_CHECKING:
-    from glm5_worker.engine.model_runner import ModelRunner, StepPlan
+    from glm5_worker.runner.model_runner import ModelRunner
+    from glm5_worker.runner.plan import StepPlan
 
 log = logging.getLogger(__name__)
 _MIN_WIDTH = 2  # block tables are padded to at least this many blocks: a size of 1 would get its own graph

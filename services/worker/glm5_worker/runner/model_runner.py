@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import resource
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,42 +23,14 @@ from glm5.model.loader import load_model, weight_bytes_by_dtype, weight_placemen
 from glm5.model.model import GlmMoeDsaForCausalLM
 from glm5.parallel import TensorParallel
 
-from glm5_worker.engine.compiled import CompiledDecode, default_cache_dir
-from glm5_worker.engine.compiled import unavailable as compiled_unavailable
-from glm5_worker.engine.weights import swap_in_place
 from glm5_worker.kv.sizing import PoolPlan, auto_bytes, make_layout, plan_pool
 from glm5_worker.resolved import ResolvedConfig
+from glm5_worker.runner.compiled import CompiledDecode, default_cache_dir
+from glm5_worker.runner.compiled import unavailable as compiled_unavailable
+from glm5_worker.runner.plan import RankMemory, StepPlan
+from glm5_worker.runner.weights import swap_in_place
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One forward step, as rank 0 decided it. Rows: decode tokens first, then each prefill chunk's tokens."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]  # L1 slot each new token is written to
-    decode_tables: list[list[int]]  # block table of each decoding sequence (empty: no decodes)
-    decode_lengths: list[int]  # tokens in context of each decoding sequence, including the new one
-    prefills: list[tuple[int, int, int, list[int]]]  # (first row, length, context_len, block table) per chunk
-    logits_rows: list[int]
-    layer_topk: list[int] | None = None
-    collect_entropy: bool = False
-    # L1 -> L2 block copies decided after the previous step; followers apply them before this step (rank 0
-    # already has)
-    demotions: list[tuple[int, int]] = field(default_factory=list)
-    keep_hidden: bool = False  # keep every row's last hidden state (ModelRunner.hidden) for an MTP pass
-
-
-@dataclass(frozen=True, slots=True)
-class RankMemory:
-    rank: int
-    weight_bytes: int
-    kv_bytes: int
-    device_bytes: int  # allocated on the accelerator (0 on CPU)
-    host_rss_bytes: int  # peak resident set of the rank's process
-    weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)  # float8_e4m3fn, bfloat16, ...
 
 
 class ModelRunner:
