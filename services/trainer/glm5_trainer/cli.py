@@ -22,8 +22,9 @@ from glm5.security import (
 
 from glm5_trainer.config import MODES, Result, RLConfig
 from glm5_trainer.distributed import World, leave
-from glm5_trainer.loop import RLRun, finished, open_trainer, report_finished
+from glm5_trainer.loop import RLRun
 from glm5_trainer.loss import PRESETS, TrustRegion
+from glm5_trainer.resume import finished, open_trainer, report_finished
 from glm5_trainer.status import serve_health, serve_status
 from glm5_trainer.versions import TRANSPORTS
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from glm5_cli.main import parse_args
 from glm5_trainer.cli import run
 from glm5_trainer.config import RLConfig
-from glm5_trainer.loop import finished
+from glm5_trainer.resume import finished
 
 from tests.helpers.procs import free_port
 
