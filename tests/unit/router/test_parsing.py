@@ -319,12 +319,12 @@ def test_tool_markup_outside_a_call_is_a_refused_call_never_content(chunked: boo
 
 
 def test_the_routers_grammar_check_keeps_digests_and_short_errors_within_its_capacity() -> None:
-    """glm5_router.http.openai_api.GrammarCheck: a grammar that does not compile gets llguidance's error (cut
+    """glm5_router.http.tool_choice.GrammarCheck: a grammar that does not compile gets llguidance's error (cut
     to 300 characters), answers are cached by digest, never the grammar text, and at most `capacity` of them."""
     from pathlib import Path
 
     from glm5.tokenizer.tokenizer import Tokenizer
-    from glm5_router.http.openai_api import GrammarCheck
+    from glm5_router.http.tool_choice import GrammarCheck
 
     tok = Tokenizer(Path(__file__).parents[3] / "common/glm5/assets/glm5-tiny-addition")
     check = GrammarCheck(capacity=3)

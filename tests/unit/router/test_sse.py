@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from glm5_router.http.openai_api import sse_event
+from glm5_router.http.streaming import sse_event
 
 
 def test_line_separators_are_escaped_and_the_json_is_unchanged() -> None:
