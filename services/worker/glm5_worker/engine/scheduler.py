@@ -89,7 +89,8 @@ class Scheduler:
                 if self.blocks.ensure_slots(seq, n):
                     step.prefills.append((seq, n))
                     budget -= n
-        computing = self._computing() if self.waiting and self.blocks.prefix_caching else set()
+        admits = self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        computing = self._computing() if admits and self.blocks.prefix_caching else set()
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.popleft()
