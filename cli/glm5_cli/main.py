@@ -270,11 +270,16 @@ def _config_defaults(parser: argparse.ArgumentParser, path: Path) -> dict[str, A
     for key, value in data.items():
         dest = str(key).removeprefix("--").replace("-", "_")
         action = known.get(dest)
+        negated = action is None and isinstance(known.get(dest.removeprefix("no_")), argparse.BooleanOptionalAction)
+        if negated:  # `no-prefix-caching: true`, as a --no-prefix-caching flag says it
+            dest = dest.removeprefix("no_")
+            action = known[dest]
         if action is None:
             raise ConfigError(f"config file {path}: unknown setting {key!r}")
         if isinstance(action, argparse._StoreTrueAction | argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise ConfigError(f"config file {path}: {key!r} takes true or false, got {value!r}")
+            value = value != negated
         elif value is not None and action.type is not None and not isinstance(value, bool):
             try:
                 value = action.type(value)  # type: ignore[operator]

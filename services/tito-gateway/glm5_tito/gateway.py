@@ -13,11 +13,12 @@ from typing import NoReturn
 import grpc
 from glm5.client import worker_stub
 from glm5.discovery import Discovery
-from glm5.errors import InvalidRequestError
+from glm5.errors import ConfigError, InvalidRequestError
 from glm5.rl.buffer import RolloutBuffer
 from glm5.security import NO_TLS, Secret, TlsConfig
 from glm5.security import channel as secure_channel
 from glm5.serving import DEFAULT_CONNECTIONS, ConnectionLimits
+from glm5.settings import derived, setting
 from glm5.v1 import common_pb2, tito_pb2, tito_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from glm5_tito.ledger import Ledger
@@ -33,18 +34,39 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    engines: tuple[str, ...] = ()
-    engine_dns: str | None = None  # host:port of a headless Service: every A record is a rank
-    tokenizer_fingerprint: str | None = None  # the job's; default: the first engine's
-    vnodes: int = 64
-    virtual_node_reserve: float = 0.2
-    load_bound: float = 1.25
-    heartbeat_s: float = 1.0
-    missed_heartbeats: int = 3  # a rank that misses this many in a row is removed and its rollouts re-homed
-    max_rollouts: int = 100000
-    tls: TlsConfig = NO_TLS  # served over TLS, and used to reach the engines
-    internal_token: Secret | None = None  # sent to the engines with every call (their --internal-token-*)
-    connections: ConnectionLimits = DEFAULT_CONNECTIONS  # what one connection to the gateway may hold
+    """The gateway's settings; each field's flag (`glm5 tito-gateway --help`) is declared with it (glm5.settings)."""
+
+    engines: tuple[str, ...] = setting((), name="engine", repeat=True, help="rollout engine (worker) host:port, "
+                                       "repeatable")  # fmt: skip
+    engine_dns: str | None = setting(None, help="host:port of a headless Service; every A record is a rollout "
+                                     "engine (a rank)")  # fmt: skip
+    tokenizer_fingerprint: str | None = setting(None, help="sha256 every engine must report (the job's; default: "
+                                                "the first engine's)")  # fmt: skip
+    vnodes: int = setting(64, name="virtual-nodes", help="ring points per rank")
+    virtual_node_reserve: float = setting(0.2, help="share of virtual nodes held back on the hash ring for "
+                                          "under-loaded ranks")  # fmt: skip
+    load_bound: float = setting(1.25, help="no rank above ceil(c * load / ranks)")
+    heartbeat_s: float = setting(1.0, name="heartbeat-interval", help="seconds between model-info checks of each "
+                                 "engine")  # fmt: skip
+    missed_heartbeats: int = setting(3, help="a rank that misses this many checks in a row is removed and its "
+                                     "rollouts re-homed")  # fmt: skip
+    max_rollouts: int = setting(100000, help="rollouts open at once; more are refused (RESOURCE_EXHAUSTED)")
+    tls: TlsConfig = derived(NO_TLS, why="--tls-* (glm5.security): served over TLS, and used to reach the engines")
+    internal_token: Secret | None = derived(None, why="--internal-token-file / -env: sent to the engines with every "
+                                            "call (their --internal-token-*)")  # fmt: skip
+    connections: ConnectionLimits = derived(DEFAULT_CONNECTIONS, why="the --grpc-* connection flags (glm5.serving): "
+                                            "what one connection to the gateway may hold")  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if not self.engines and not self.engine_dns:
+            raise ConfigError("the gateway needs rollout engines: --engine host:port (repeatable) or --engine-dns")
+        fp = self.tokenizer_fingerprint
+        if fp is not None and (len(fp) != 64 or any(c not in "0123456789abcdef" for c in fp)):
+            raise ConfigError("--tokenizer-fingerprint must be a sha256 in hex (64 characters)")
+        if self.vnodes < 1 or not 0 <= self.virtual_node_reserve < 1 or self.load_bound < 1:
+            raise ConfigError("--virtual-nodes >= 1, 0 <= --virtual-node-reserve < 1, --load-bound >= 1")
+        if self.heartbeat_s <= 0 or self.missed_heartbeats < 1 or self.max_rollouts < 1:
+            raise ConfigError("--heartbeat-interval > 0, --missed-heartbeats >= 1, --max-rollouts >= 1")
 
 
 @dataclass(eq=False)

@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from glm5.errors import ConfigError
 from glm5.security import (
@@ -19,132 +18,48 @@ from glm5.security import (
     internal_token_from_args,
     tls_from_args,
 )
+from glm5.settings import add_flags, from_flags, group
 
-from glm5_trainer.config import MODES, Result, RLConfig
+from glm5_trainer.config import PUSHES, RANKS, Result, RLConfig
 from glm5_trainer.distributed import World, leave
 from glm5_trainer.loop import RLRun
 from glm5_trainer.loss import PRESETS, TrustRegion
 from glm5_trainer.resume import finished, open_trainer, report_finished
 from glm5_trainer.status import serve_health, serve_status
-from glm5_trainer.versions import TRANSPORTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = RLConfig(policy=Path("."), gateway="", out=Path("."), engines=("x",))
-    # required, but checked in config_from_args: they may come from --config
-    p.add_argument("--policy", help="starting checkpoint (HuggingFace folder with its tokenizer); required")
-    p.add_argument("--gateway", help="host:port of the TITO gateway; required")
-    p.add_argument("--engine", action="append", default=[], help="rollout engine host:port to sync (repeatable)")
-    p.add_argument("--engines", help="host:port of the engines' headless Service (every A record is an engine)")
-    p.add_argument("--checkpoint-dir", default="rl-out", help="versioned checkpoints, history, plot")
-    p.add_argument("--environment", default=d.environment, help="reward environment (addition, tools)")
-    p.add_argument("--dataset", default=d.dataset, help="'builtin' or a JSONL file of problems")
-    p.add_argument("--mode", default=d.mode, choices=MODES,
-                   help="async: rollouts go on while the trainer trains; sync: generate, train, push")  # fmt: skip
-    p.add_argument("--steps", type=int, default=d.steps,
-                   help="optimizer steps for the job, counting those a restarted trainer resumes after "
-                   "(0: until SIGTERM/SIGINT)")  # fmt: skip
-    p.add_argument("--completion-file",
-                   help="when the job has taken its --steps, write {complete, steps, version} here as JSON (an "
-                   "RLJob pod: its termination log, which the operator reads)")  # fmt: skip
-    p.add_argument("--group-size", type=int, default=d.group_size, help="rollouts per problem (GRPO group)")
-    p.add_argument("--groups-per-step", type=int, default=d.groups_per_step, help="GRPO groups per optimizer step")
-    p.add_argument("--max-inflight-groups", type=int, default=d.max_inflight_groups, help="async: groups generating")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per rollout turn")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="rollout sampling temperature")
-    p.add_argument("--learning-rate", type=float, default=d.learning_rate, help="AdamW learning rate")
-    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=["constant", "cosine"],
-                   help="cosine: decay to 0 over --steps (a run of known length)")  # fmt: skip
+    add_flags(p, RLConfig)  # the run's settings; what follows is this process's and the derived ones
     p.add_argument("--task-preset", default="math", choices=[*PRESETS, "custom"], help="trust-region preset")
     p.add_argument("--eps-low", type=float, help="lower IS-ratio bound (overrides the preset)")
     p.add_argument("--eps-high", type=float, help="upper IS-ratio bound (overrides the preset)")
-    p.add_argument("--staleness-limit", type=int, default=d.staleness_limit, help="drop samples this many versions old")
-    p.add_argument("--balance-weight", type=float, default=d.balance_weight, help="MoE expert-balance loss weight")
-    p.add_argument("--entropy-weight", type=float, default=d.entropy_weight, help="router-entropy regulariser weight")
-    p.add_argument("--sync-every-steps", type=int, default=d.sync_every_steps, help="publish actor_synced every K")
-    p.add_argument("--sync-interval-seconds", type=float, default=d.sync_interval_s, help="and at least this often")
-    p.add_argument("--ema-decay", type=float, default=d.ema_decay, help="decay of actor_ema (moving average)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between held-out evaluations")
-    p.add_argument("--eval-size", type=int, default=d.eval_size, help="held-out problems per evaluation")
-    p.add_argument("--seed", type=int, default=d.seed, help="problem order and rollout sampling")
-    p.add_argument("--split-seed", type=int, default=d.split_seed,
-                   help="train/held-out split of --dataset builtin: the supervised stage's seed")  # fmt: skip
-    p.add_argument("--redis-url", help="read rollouts from the Redis stream (default: through the gateway)")
-    p.add_argument("--job", default=d.job, help="prefix of rollout ids")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (training, evaluations)")
     p.add_argument("--verbose", action="store_true", help="debug logging (a line per step)")
     p.add_argument("--status-port", type=int, default=0,
                    help="serve GET /status (progress as JSON) and /healthz on this port (0: off)")  # fmt: skip
     p.add_argument("--status-host", default="127.0.0.1", help="address of the status endpoint")
     add_tls_arguments(p)
     add_internal_token_arguments(p)
-    g = p.add_argument_group("weight pushes (docs/security.md)")
+    g = group(p, PUSHES)
     g.add_argument("--admin-token-file", help="file holding the engines' admin token, sent with UpdateWeights")
     g.add_argument("--admin-token-env", help="environment variable holding that token")
-    g.add_argument("--weights-transport", choices=TRANSPORTS, default=d.weights_transport,
-                   help="path: the engines read each version from --checkpoint-dir (a volume they share); stream: "
-                   "its files are sent to them over gRPC (PushWeights); collective: the trainer's weights are "
-                   "broadcast in buckets over a gloo group per engine replica (SyncWeights), no file read")  # fmt: skip
-    g.add_argument(
-        "--sync-address",
-        default=d.sync_address,
-        help="collective: the address the engines reach this trainer's rendezvous at (its pod IP)",
-    )
-    g.add_argument("--sync-port", type=int, default=d.sync_port, help="collective: the rendezvous port (0: any)")
-    g.add_argument(
-        "--sync-bucket-bytes",
-        type=int,
-        default=d.sync_bucket_bytes,
-        help="collective: bytes broadcast at a time (what each engine rank holds beyond its shard)",
-    )
-    g.add_argument(
-        "--sync-timeout",
-        type=float,
-        default=d.sync_timeout_s,
-        help="collective: seconds the engines may take to join, and each bucket to arrive",
-    )
-    r = p.add_argument_group("ranks: torchrun's flags (or run under torchrun / a PyTorchJob, which set RANK, "
-                             "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT)")  # fmt: skip
+    r = group(p, RANKS)
     r.add_argument("--nproc-per-node", type=int, default=1, help="trainer ranks on this host (the policy is "
                    "sharded over all ranks with FSDP2; rank 0 alone runs the loop)")  # fmt: skip
     r.add_argument("--nnodes", type=int, default=1, help="hosts taking part")
     r.add_argument("--node-rank", type=int, default=0, help="this host's index (0 hosts the rendezvous)")
     r.add_argument("--master-addr", default="127.0.0.1", help="address of host 0 (the rendezvous)")
     r.add_argument("--master-port", type=int, default=29500, help="its rendezvous port")
-    r.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each decoder layer's activations in the backward pass instead of keeping them "
-                   "(less memory for a longer step)")  # fmt: skip
-    r.add_argument("--no-expert-parallel", dest="expert_parallel", action="store_false",
-                   help="with several ranks, let FSDP2 gather every routed expert of a layer onto every rank "
-                   "instead of splitting the experts over the ranks and sending the tokens to them")  # fmt: skip
 
 
 def config_from_args(a: argparse.Namespace) -> RLConfig:
     if not a.policy or not a.gateway:
         raise ConfigError("the trainer needs --policy (a checkpoint folder) and --gateway (host:port)")
-    policy = Path(a.policy)
-    if not (policy / "config.json").is_file():
-        raise ConfigError(f"--policy {policy}: no config.json (a HuggingFace checkpoint folder is expected)")
+    if not (a.policy / "config.json").is_file():
+        raise ConfigError(f"--policy {a.policy}: no config.json (a HuggingFace checkpoint folder is expected)")
     try:
-        region = TrustRegion.preset(a.task_preset, a.eps_low, a.eps_high)
-        return RLConfig(
-            policy=policy, gateway=a.gateway, out=Path(a.checkpoint_dir), engines=tuple(a.engine),
-            engine_dns=a.engines, environment=a.environment, dataset=a.dataset, mode=a.mode, steps=a.steps,
-            group_size=a.group_size, groups_per_step=a.groups_per_step, max_inflight_groups=a.max_inflight_groups,
-            max_new_tokens=a.max_new_tokens, temperature=a.temperature, learning_rate=a.learning_rate,
-            lr_schedule=a.lr_schedule,
-            region=region, staleness_limit=a.staleness_limit, balance_weight=a.balance_weight,
-            entropy_weight=a.entropy_weight, sync_every_steps=a.sync_every_steps,
-            sync_interval_s=a.sync_interval_seconds, ema_decay=a.ema_decay, eval_every=a.eval_every,
-            eval_size=a.eval_size, seed=a.seed, split_seed=a.split_seed, redis_url=a.redis_url, job=a.job,
-            progress=not a.no_progress,
-            completion_file=Path(a.completion_file) if a.completion_file else None, tls=tls_from_args(a),
-            admin_token=admin_token_from_args(a), weights_transport=a.weights_transport,
-            sync_address=a.sync_address, sync_port=a.sync_port, sync_bucket_bytes=a.sync_bucket_bytes,
-            sync_timeout_s=a.sync_timeout, activation_checkpointing=a.activation_checkpointing,
-            expert_parallel=a.expert_parallel,
-            internal_token=internal_token_from_args(a),
-        )  # fmt: skip
+        return from_flags(RLConfig, a, region=TrustRegion.preset(a.task_preset, a.eps_low, a.eps_high),
+                          tls=tls_from_args(a), admin_token=admin_token_from_args(a),
+                          internal_token=internal_token_from_args(a))  # fmt: skip
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from glm5.security import NO_TLS, Secret, TlsConfig
+from glm5.settings import derived, setting
 
 from glm5_trainer.loss import TrustRegion
 from glm5_trainer.sync import DEFAULT_BUCKET_BYTES
@@ -15,52 +16,85 @@ from glm5_trainer.versions import TRANSPORTS
 MODES = ("async", "sync")
 
 
+PUSHES = "weight pushes (docs/security.md)"
+RANKS = ("ranks: torchrun's flags (or run under torchrun / a PyTorchJob, which set RANK, WORLD_SIZE, LOCAL_RANK, "
+         "MASTER_ADDR, MASTER_PORT)")  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class RLConfig:
-    policy: Path  # the starting checkpoint (its tokenizer is the job's)
-    gateway: str  # host:port of the TITO gateway
-    out: Path  # versioned checkpoints, history, plot
-    engines: tuple[str, ...] = ()  # rollout engines to sync and evaluate on (host:port)
-    engine_dns: str | None = None  # or a headless Service (host:port): every A record is an engine
-    environment: str = "addition"
-    dataset: str = "builtin"
-    mode: str = "async"
-    steps: int = 40
-    group_size: int = 8
-    groups_per_step: int = 8
-    max_inflight_groups: int = 16
-    producer_cpus: tuple[int, ...] = ()  # async: pin the rollout producer process to these CPUs
-    max_new_tokens: int = 40
-    temperature: float = 1.0
-    learning_rate: float = 1e-4
-    lr_schedule: str = "constant"  # or "cosine": decays to 0 over `steps` (a run of known length)
-    region: TrustRegion = field(default_factory=lambda: TrustRegion.preset("math"))
-    staleness_limit: int = 4
-    balance_weight: float = 0.02  # MoE expert-balance loss
-    entropy_weight: float = 0.005  # router-entropy regulariser
-    sync_every_steps: int = 1
-    sync_interval_s: float = 600.0
-    ema_decay: float = 0.999
-    eval_every: int = 0  # steps between evaluations (0: before and after only)
-    eval_size: int = 200
-    seed: int = 0  # problem order and rollout sampling
-    split_seed: int = 0  # the built-in dataset's train/held-out split: the supervised stage's seed, so the
-    # held-out problems stay unseen by both stages
-    redis_url: str | None = None  # read the buffer's Redis stream directly (default: through the gateway)
-    job: str = "rl"
-    progress: bool = True
-    completion_file: Path | None = None  # written when the job has taken its `steps`
-    tls: TlsConfig = NO_TLS  # to the gateway and the engines (mutual TLS when it has a CA)
-    admin_token: Secret | None = None  # sent with UpdateWeights (the engines' --admin-token-*)
-    internal_token: Secret | None = None  # sent with every call to the engines (their --internal-token-*)
-    weights_transport: str = "path"  # versions.TRANSPORTS: the engines read out/ (shared), get it streamed, or
-    # receive it over a collective group from the trainer's memory
-    sync_address: str = "127.0.0.1"  # collective: where the engines reach rank 0's rendezvous (its pod IP)
-    sync_port: int = 0  # 0: any free port
-    sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    sync_timeout_s: float = 120.0  # a group's join and each bucket's broadcast
-    activation_checkpointing: bool = False  # recompute each layer's activations in the backward pass
-    expert_parallel: bool = True  # several ranks: each holds whole routed experts, the tokens travel to them
+    """Every setting of an RL run; each field's flag (`glm5 trainer --help`) is declared with it
+    (glm5.settings). policy, gateway and out are required: glm5_trainer.cli checks them (they may come from
+    --config)."""
+
+    policy: Path = setting(help="starting checkpoint (HuggingFace folder with its tokenizer; the job's tokenizer); "
+                           "required")  # fmt: skip
+    gateway: str = setting(help="host:port of the TITO gateway; required")
+    out: Path = setting(name="checkpoint-dir", given="rl-out", help="versioned checkpoints, history, plot")
+    engines: tuple[str, ...] = setting((), name="engine", repeat=True, help="rollout engine host:port to sync and "
+                                       "evaluate on (repeatable)")  # fmt: skip
+    engine_dns: str | None = setting(None, name="engines", help="host:port of the engines' headless Service (every "
+                                     "A record is an engine)")  # fmt: skip
+    environment: str = setting("addition", help="reward environment (addition, tools)")
+    dataset: str = setting("builtin", help="'builtin' or a JSONL file of problems")
+    mode: str = setting("async", choices=MODES, help="async: rollouts go on while the trainer trains; sync: "
+                        "generate, train, push")  # fmt: skip
+    steps: int = setting(40, help="optimizer steps for the job, counting those a restarted trainer resumes after "
+                         "(0: until SIGTERM/SIGINT)")  # fmt: skip
+    group_size: int = setting(8, help="rollouts per problem (GRPO group)")
+    groups_per_step: int = setting(8, help="GRPO groups per optimizer step")
+    max_inflight_groups: int = setting(16, help="async: groups generating")
+    producer_cpus: tuple[int, ...] = derived((), why="async: the CPUs the rollout producer process is pinned to "
+                                             "(benchmarks/rl_loop.py sets it; no flag)")  # fmt: skip
+    max_new_tokens: int = setting(40, help="tokens per rollout turn")
+    temperature: float = setting(1.0, help="rollout sampling temperature")
+    learning_rate: float = setting(1e-4, help="AdamW learning rate")
+    lr_schedule: str = setting("constant", choices=("constant", "cosine"), help="cosine: decay to 0 over --steps (a "
+                               "run of known length)")  # fmt: skip
+    region: TrustRegion = derived(default_factory=lambda: TrustRegion.preset("math"),
+                                  why="--task-preset, --eps-low and --eps-high (glm5_trainer.cli)")  # fmt: skip
+    staleness_limit: int = setting(4, help="drop samples this many versions old")
+    balance_weight: float = setting(0.02, help="MoE expert-balance loss weight")
+    entropy_weight: float = setting(0.005, help="router-entropy regulariser weight")
+    sync_every_steps: int = setting(1, help="publish actor_synced every K steps")
+    sync_interval_s: float = setting(600.0, name="sync-interval-seconds", help="... and at least this often")
+    ema_decay: float = setting(0.999, help="decay of actor_ema (moving average)")
+    eval_every: int = setting(0, help="steps between held-out evaluations (0: before and after only)")
+    eval_size: int = setting(200, help="held-out problems per evaluation")
+    seed: int = setting(0, help="problem order and rollout sampling")
+    # the held-out problems stay unseen by both stages
+    split_seed: int = setting(0, help="train/held-out split of --dataset builtin: the supervised stage's seed")
+    redis_url: str | None = setting(None, repr=False, help="read rollouts from the Redis stream (default: through "
+                                    "the gateway)")  # fmt: skip
+    job: str = setting("rl", help="prefix of rollout ids")
+    progress: bool = setting(True, help="progress bars (training, evaluations)")
+    completion_file: Path | None = setting(None, help="when the job has taken its --steps, write {complete, steps, "
+                                           "version} here as JSON (an RLJob pod: its termination log, which the "
+                                           "operator reads)")  # fmt: skip
+    tls: TlsConfig = derived(NO_TLS, why="--tls-* (glm5.security): to the gateway and the engines (mutual TLS when "
+                             "it has a CA)")  # fmt: skip
+    admin_token: Secret | None = derived(None, why="--admin-token-file / -env: sent with UpdateWeights (the "
+                                         "engines' --admin-token-*)")  # fmt: skip
+    internal_token: Secret | None = derived(None, why="--internal-token-file / -env: sent with every call to the "
+                                            "engines (their --internal-token-*)")  # fmt: skip
+    weights_transport: str = setting("path", choices=TRANSPORTS, group=PUSHES,
+                                     help="path: the engines read each version from --checkpoint-dir (a volume they "
+                                     "share); stream: its files are sent to them over gRPC (PushWeights); "
+                                     "collective: the trainer's weights are broadcast in buckets over a gloo group "
+                                     "per engine replica (SyncWeights), no file read")  # fmt: skip
+    sync_address: str = setting("127.0.0.1", group=PUSHES, help="collective: the address the engines reach this "
+                                "trainer's rendezvous at (its pod IP)")  # fmt: skip
+    sync_port: int = setting(0, group=PUSHES, help="collective: the rendezvous port (0: any)")
+    sync_bucket_bytes: int = setting(DEFAULT_BUCKET_BYTES, group=PUSHES, help="collective: bytes broadcast at a "
+                                     "time (what each engine rank holds beyond its shard)")  # fmt: skip
+    sync_timeout_s: float = setting(120.0, name="sync-timeout", group=PUSHES, help="collective: seconds the engines "
+                                    "may take to join, and each bucket to arrive")  # fmt: skip
+    activation_checkpointing: bool = setting(False, group=RANKS, help="recompute each decoder layer's activations "
+                                             "in the backward pass instead of keeping them (less memory for a "
+                                             "longer step)")  # fmt: skip
+    expert_parallel: bool = setting(True, group=RANKS, help="with several ranks, each holds whole routed experts "
+                                    "and the tokens travel to them (--no-expert-parallel: FSDP2 gathers every "
+                                    "routed expert of a layer onto every rank)")  # fmt: skip
 
     def __post_init__(self) -> None:
         problems = []

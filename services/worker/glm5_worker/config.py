@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from glm5.devices import DEVICE_CHOICES
 from glm5.errors import ConfigError
 from glm5.kernels import KERNEL_CHOICES
 from glm5.model.config import validate_rope_factor
+from glm5.model.quant import QUANTIZATION_CHOICES
+from glm5.settings import derived, setting
+from glm5.units import parse_bytes
 
 DEFAULT_MAX_MODEL_LEN = 131072
 
@@ -91,73 +94,127 @@ def _eager_by_default() -> bool:
     return os.environ.get("GLM5_ENFORCE_EAGER", "") not in ("", "0")
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PARALLEL = "one replica over several devices (docs/scaling.md)"
+COMPILED = "compiled decode steps (docs/worker.md)"
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # checkpoint directory; None serves the default model
-    served_model_name: str | None = None
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on accelerators
-    quantization: str = "auto"  # the checkpoint's weight format must be this one (auto: whatever it stores)
-    device: str = "auto"
-    kernels: str = "auto"  # DSA kernels: auto = Triton on CUDA when installed, else portable PyTorch
-    max_model_len: int | None = None  # default: min(131072, the checkpoint's max positions x RoPE factor)
-    rope_scaling: str | None = None  # override the checkpoint: "linear" | "yarn"
-    rope_factor: float | None = None
-    rope_original_max_position_embeddings: int | None = None
+    """Every engine setting; each field's flag (`glm5 worker --help`) is declared with it (glm5.settings)."""
+
+    model: str | None = setting(None, help="HuggingFace-format checkpoint directory (default: the built-in tiny "
+                                "model)")  # fmt: skip
+    served_model_name: str | None = setting(None, help="name reported to clients (default: the directory name)")
+    dtype: str = setting("auto", choices=DTYPES, help="weights and activations (auto: the checkpoint's; float32 on "
+                         "a CPU, bfloat16 on accelerators)")  # fmt: skip
+    quantization: str = setting("auto", choices=QUANTIZATION_CHOICES,
+                                help="weight format the checkpoint must have: fp8 (block FP8), compressed-tensors "
+                                "(INT4 / FP8), none (float); auto loads whatever it stores")  # fmt: skip
+    device: str = setting("auto", choices=DEVICE_CHOICES, help="accelerator (auto: an Ascend NPU, else CUDA, else "
+                          "the CPU)")  # fmt: skip
+    kernels: str = setting("auto", choices=KERNEL_CHOICES, help="DSA kernels: auto = Triton on CUDA when installed, "
+                           "else portable PyTorch")  # fmt: skip
+    max_model_len: int | None = setting(None, help="context limit (default min(131072, the checkpoint's max "
+                                        "positions x RoPE factor))")  # fmt: skip
+    rope_scaling: str | None = setting(None, choices=("linear", "yarn"), help="override the checkpoint's RoPE "
+                                       "scaling")  # fmt: skip
+    rope_factor: float | None = setting(None, help="RoPE scaling factor, a power of two")
+    rope_original_max_position_embeddings: int | None = setting(
+        None, help="context the model was trained on, for --rope-scaling (default: the checkpoint's)"
+    )
     # KV cache
-    block_size: int = 64
-    kv_cache_bytes: int | None = None  # None = auto (see glm5_worker.kv.sizing)
-    kv_memory_fraction: float = 0.9
-    kv_cpu_max_bytes: int = 4 << 30
-    kv_int8_tier: bool = True  # L2: tokens older than l1_tokens stored as INT8 with per-token scales
-    kv_cache_dtype: str = "auto"  # L1 latents + rope keys: auto = the model dtype; bfloat16 halves them in float32
-    kv_index_dtype: str = "auto"  # L1 indexer keys: auto = kv_cache_dtype; bfloat16 halves them in float32
-    l1_tokens: int = 128
-    enable_prefix_caching: bool = True
-    cache_event_log: int = 65536  # prefix-cache events kept for routers (kv.events); one further behind resyncs
+    block_size: int = setting(64, help="tokens per KV block")
+    kv_cache_bytes: int | None = setting(None, given="auto", type=str, convert=parse_bytes,
+                                         help="KV pool size ('auto' (glm5_worker.kv.sizing), or e.g. 512MiB, "
+                                         "4GiB)")  # fmt: skip
+    kv_memory_fraction: float = setting(0.9, help="--kv-cache-bytes auto: share of free device memory for the pool "
+                                        "(kv-cache.md)")  # fmt: skip
+    kv_cpu_max_bytes: int = setting(4 << 30, help="--kv-cache-bytes auto on a CPU: the pool's cap in bytes")
+    kv_int8_tier: bool = setting(True, help="L2: tokens older than --l1-tokens stored as INT8 with per-token "
+                                 "scales (--no-kv-int8-tier: every token at model precision)")  # fmt: skip
+    kv_cache_dtype: str = setting("auto", choices=DTYPES, help="L1 latents and rope keys (auto: the model dtype); "
+                                  "bfloat16 halves them for a float32 model, read back into float32 for "
+                                  "attention")  # fmt: skip
+    kv_index_dtype: str = setting("auto", choices=DTYPES, help="L1 indexer keys (auto: --kv-cache-dtype); bfloat16 "
+                                  "halves them for a float32 model and speeds up long-context top-k "
+                                  "selection")  # fmt: skip
+    l1_tokens: int = setting(128, help="recent tokens kept at model precision")
+    enable_prefix_caching: bool = setting(True, name="prefix-caching", help="reuse KV blocks of shared prompt "
+                                          "prefixes")  # fmt: skip
+    cache_event_log: int = setting(65536, help="prefix-cache events kept for routers that route by cache "
+                                   "(--routing kv); a router further behind gets a snapshot")  # fmt: skip
     # scheduling
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
-    max_waiting: int = 1024
-    default_max_new_tokens: int = 256
+    max_num_seqs: int = setting(64, help="sequences running at once")
+    max_num_batched_tokens: int = setting(2048, help="per-step token budget; longer prompts are prefilled in "
+                                          "chunks")  # fmt: skip
+    max_waiting: int = setting(1024, help="queued requests; beyond it they are refused")
+    default_max_new_tokens: int = setting(256, help="max new tokens of a request that sets none")
     # DSA runtime controls
-    dense_warmup_tokens: int = 128
-    paged_scoring_min_tokens: int = 8192  # decode contexts this long score indexer keys in place
-    dynamic_sparsity: bool = False
-    sparsity_entropy_threshold: float = 0.85
-    sparsity_patience: int = 3
-    sparsity_widen_factor: float = 1.5
-    entropy_interval: int = 8  # measure attention entropy every N engine steps
+    dense_warmup_tokens: int = setting(
+        128, help="queries at positions below it attend to every earlier token (docs/worker.md; 0 disables it)"
+    )
+    paged_scoring_min_tokens: int = setting(8192, help="decode contexts this long score indexer keys in place")
+    dynamic_sparsity: bool = setting(False, help="widen top-k when attention entropy is low")
+    sparsity_entropy_threshold: float = setting(0.85, help="--dynamic-sparsity: widen top-k below this mean "
+                                                "attention entropy (nats)")  # fmt: skip
+    sparsity_patience: int = setting(3, help="--dynamic-sparsity: measurements below (or back above) the threshold "
+                                     "to act")  # fmt: skip
+    sparsity_widen_factor: float = setting(1.5, help="--dynamic-sparsity: top-k multiplier when widening")
+    entropy_interval: int = setting(8, help="measure attention entropy every N engine steps")
     # compiled decode steps (glm5_worker.runner.compiled): vLLM's --enforce-eager turns them off
-    enforce_eager: bool = field(default_factory=_eager_by_default)
-    compile_max_batch: int = 8  # decode batches up to this size run compiled; larger ones eager
-    compile_cache_dir: str | None = None  # None: $GLM5_COMPILE_CACHE or ~/.cache/glm5/compile
-    compile_budget_s: float = 600.0  # start-up compiling stops after this; what is left runs eager
+    enforce_eager: bool = setting(default_factory=_eager_by_default, group=COMPILED,
+                                  help="run every step eagerly (default: decode steps of up to --compile-max-batch "
+                                  "sequences run as compiled graphs, compiled at start-up and cached on disk; CPU "
+                                  "only so far)")  # fmt: skip
+    compile_max_batch: int = setting(8, group=COMPILED, help="largest decode batch that runs compiled (larger ones "
+                                     "are not dispatch-bound)")  # fmt: skip
+    compile_cache_dir: str | None = setting(
+        None,
+        group=COMPILED,
+        help="where compiled steps are kept between starts (default: $GLM5_COMPILE_CACHE or ~/.cache/glm5/compile)",
+    )
+    compile_budget_s: float = setting(600.0, name="compile-budget", group=COMPILED,
+                                      help="seconds start-up may spend compiling; shapes not compiled by then run "
+                                      "eagerly")  # fmt: skip
     # sampling guards
-    ascend_temperature_floor: float = 0.35
-    seed: int = 0
-    jitter_window: int = 256  # decode step times the latency jitter is taken over ...
-    jitter_window_s: float = 30.0  # ... none older than this (an idle worker's jitter fades)
+    ascend_temperature_floor: float = setting(0.35, help="on an Ascend NPU a temperature in (0, floor) is raised "
+                                              "to it; 0 stays greedy")  # fmt: skip
+    seed: int = setting(0, help="sampler seed of requests without their own")
+    jitter_window: int = setting(256, help="decode step times the latency jitter is taken over ...")
+    jitter_window_s: float = setting(30.0, name="jitter-window-seconds", help="... none older than this (an idle "
+                                     "worker's jitter fades)")  # fmt: skip
     # one model replica over several devices (glm5_worker.parallel; docs/scaling.md)
-    tensor_parallel_size: int = 1  # ranks per replica, one device each
-    expert_parallel: bool | None = None  # routed experts partitioned over ranks; None: on when the size > 1
-    nnodes: int = 1  # hosts (pods) the replica spans; each runs tensor_parallel_size / nnodes ranks
-    node_rank: int = 0  # this host's index; ranks node_rank * local .. + local - 1
-    master_addr: str = "127.0.0.1"  # where rank 0 listens for the others (the first pod's DNS name)
-    master_port: int = 0  # 0: a free port (one host only)
-    collective_timeout_s: float = 120.0  # a collective (or the idle heartbeat) that takes longer fails the replica
-    startup_timeout_s: float = 1800.0  # ranks wait this long for each other to load their shards
-    # speculative decoding (glm5_worker.engine.speculative): vLLM's --speculative-config; None: off
-    speculative: SpeculativeConfig | None = None
+    tensor_parallel_size: int = setting(1, aliases=("-tp",), group=PARALLEL, help="devices (ranks) one model "
+                                        "replica spans; the worker starts ranks 1..N-1 itself")  # fmt: skip
+    expert_parallel: bool | None = setting(None, group=PARALLEL, help="partition the routed experts over the ranks "
+                                           "(default: on when the size is > 1); --no-expert-parallel splits every "
+                                           "expert's intermediate dimension instead")  # fmt: skip
+    nnodes: int = setting(1, group=PARALLEL, help="hosts (pods) the replica spans; each runs "
+                          "--tensor-parallel-size / --nnodes ranks")  # fmt: skip
+    node_rank: int = setting(0, group=PARALLEL, help="this host's index; hosts other than 0 run follower ranks "
+                             "only (no gRPC server)")  # fmt: skip
+    master_addr: str = setting("127.0.0.1", group=PARALLEL, help="host of rank 0 (the first pod's DNS name)")
+    master_port: int = setting(0, group=PARALLEL, help="rank 0's rendezvous port (0: any; one host only)")
+    collective_timeout_s: float = setting(120.0, name="collective-timeout", group=PARALLEL,
+                                          help="seconds a collective (or the idle heartbeat) may take before the "
+                                          "replica is declared lost")  # fmt: skip
+    startup_timeout_s: float = setting(1800.0, name="startup-timeout", group=PARALLEL,
+                                       help="seconds the ranks wait for each other to start and to load their "
+                                       "shards")  # fmt: skip
+    # speculative decoding (glm5_worker.engine.speculative); None: off
+    speculative: SpeculativeConfig | None = derived(None, why="--speculative-config, parsed for the device named "
+                                                    "(glm5_worker.cli)")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.device not in DEVICE_CHOICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICE_CHOICES)}, got {self.device!r}")
         if self.kernels not in KERNEL_CHOICES:
             raise ConfigError(f"--kernels must be one of {', '.join(KERNEL_CHOICES)}, got {self.kernels!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         for flag, value in (("--kv-cache-dtype", self.kv_cache_dtype), ("--kv-index-dtype", self.kv_index_dtype)):
-            if value not in ("auto", "float32", "bfloat16", "float16"):
+            if value not in DTYPES:
                 raise ConfigError(f"{flag} must be auto, float32, bfloat16 or float16, got {value!r}")
         if self.rope_scaling not in (None, "linear", "yarn"):
             raise ConfigError(f"--rope-scaling must be linear or yarn, got {self.rope_scaling!r}")
