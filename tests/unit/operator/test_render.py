@@ -197,7 +197,8 @@ def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
     # every key is a `glm5 trainer` flag (an unknown one would be a config error at start-up)
     path.write_text(cm["data"]["trainer.json"])
     t = parse_args(["trainer", "--config", str(path)])
-    assert (t.policy, t.engines, t.gateway) == ("/m", "job-rollout-worker.ml.svc:50051", "job-gateway.ml.svc:50060")
+    assert (str(t.policy), t.engines, t.gateway) == (
+        "/m", "job-rollout-worker.ml.svc:50051", "job-gateway.ml.svc:50060")
     assert (t.eps_low, t.eps_high, t.staleness_limit, t.dataset, t.steps) == (0.15, 0.35, 4, "/d", 0)
     from glm5_trainer.cli import config_from_args as trainer_config
 
