@@ -198,7 +198,10 @@ def test_gateway_config_is_what_glm5_tito_gateway_reads(tmp_path: Path) -> None:
     path.write_text(cm["data"]["trainer.json"])
     t = parse_args(["trainer", "--config", str(path)])
     assert (str(t.policy), t.engines, t.gateway) == (
-        "/m", "job-rollout-worker.ml.svc:50051", "job-gateway.ml.svc:50060")
+        "/m",
+        "job-rollout-worker.ml.svc:50051",
+        "job-gateway.ml.svc:50060",
+    )
     assert (t.eps_low, t.eps_high, t.staleness_limit, t.dataset, t.steps) == (0.15, 0.35, 4, "/d", 0)
     from glm5_trainer.cli import config_from_args as trainer_config
 
