@@ -48,10 +48,7 @@ def setting(
     **flag: Any,
 ) -> Any:
     """A field with its own flag; `flag` takes Flag's other keys."""
-    meta = {FLAG: Flag(help=help, **flag)}
-    if default_factory is not None:
-        return dataclasses.field(default_factory=default_factory, metadata=meta, repr=repr)
-    return dataclasses.field(default=default, metadata=meta, repr=repr)
+    return _field(default, default_factory, {FLAG: Flag(help=help, **flag)}, repr)
 
 
 def derived(
@@ -63,9 +60,12 @@ def derived(
 ) -> Any:
     """A field without a flag of its own: `why` says where its value comes from (the flags it is built from,
     or why it is a fixed tuning knob)."""
-    meta = {DERIVED: why}
-    if default_factory is not None:
-        return dataclasses.field(default_factory=default_factory, metadata=meta, repr=repr)
+    return _field(default, default_factory, {DERIVED: why}, repr)
+
+
+def _field(default: Any, factory: Callable[[], Any] | None, meta: dict[str, Any], repr: bool) -> Any:
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta, repr=repr)
     return dataclasses.field(default=default, metadata=meta, repr=repr)
 
 
